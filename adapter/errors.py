@@ -1,0 +1,73 @@
+"""Typed errors. Each carries its HTTP status, type and code; the server maps them in one place."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class ArbiterError(Exception):
+    """Base class: a failure with a stable code, an optional offending field, and an HTTP status."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "api_error"
+    code: ClassVar[str] = "internal_error"
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code  # type: ignore[misc]
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"type": self.type, "code": self.code, "message": self.message}
+        body["param"] = self.param
+        if self.retryable:
+            body["retryable"] = True
+        return body
+
+    def with_param_prefix(self, prefix: str) -> ArbiterError:
+        """Re-home the error inside a container field, e.g. ``decisions[3].`` + ``options``."""
+        self.param = f"{prefix}.{self.param}" if self.param else prefix
+        return self
+
+
+class InvalidDecision(ArbiterError):
+    """The request is well-formed JSON but a decision in it cannot be scored as given."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_decision"
+
+
+class TooManyOptions(InvalidDecision):
+    code = "too_many_options"
+
+
+class ContextLengthExceeded(InvalidDecision):
+    code = "context_length_exceeded"
+
+
+class UnsafeText(InvalidDecision):
+    code = "control_token_in_text"
+
+
+class ModelLoadError(ArbiterError):
+    """The model cannot be served: missing, unreadable, checksum mismatch, unusable vocabulary."""
+
+    code = "model_load_failed"
+
+
+class ManifestMismatch(ModelLoadError):
+    code = "manifest_sha256_mismatch"
+
+
+class LabelVocabularyError(ModelLoadError):
+    code = "label_tokens_unusable"
+
+
+class EngineFailure(ArbiterError):
+    """llama.cpp reported an error while computing (not the caller's fault)."""
+
+    code = "engine_failure"

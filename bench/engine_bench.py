@@ -1,0 +1,237 @@
+"""`arbiter bench engine`: engine latency against the raw llama_decode floor, in one run.
+
+Every figure is a ratio against a baseline measured in the same process on the same machine, with
+the two interleaved, because these machines are noisy:
+1. single decision (cold: a state never seen before) vs the floor, a plain prefill of the same
+   prompt tokens with logits at the last position only, at ~150 and ~600 prompt tokens;
+2. 8 questions on one ~400-token state: grouped vs 8 independent decisions, and grouped vs
+   floor(prefix) + the floors of the 8 suffixes;
+3. peak RSS vs GGUF size + KV cache + 400 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from adapter.engine import Engine, open_engine
+from adapter.schema import DecisionRequest
+
+_WORDS = [
+    "customer",
+    "order",
+    "invoice",
+    "shipment",
+    "delayed",
+    "refund",
+    "account",
+    "login",
+    "password",
+    "reset",
+    "error",
+    "page",
+    "support",
+    "agent",
+    "priority",
+    "outage",
+    "payment",
+    "card",
+    "region",
+    "server",
+    "database",
+    "latency",
+    "report",
+    "user",
+    "billing",
+    "contract",
+    "renewal",
+    "seat",
+    "license",
+    "escalation",
+    "ticket",
+    "email",
+    "phone",
+    "weekend",
+    "manager",
+]
+
+
+def _state(seed: int, words: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    text = " ".join(rng.choice(_WORDS, size=words).tolist())
+    return {"case": f"C-{seed}", "tier": "enterprise", "notes": text}
+
+
+def _decision(
+    i: int, state: Any, question: str = "Which queue should handle this case?"
+) -> DecisionRequest:
+    return DecisionRequest.model_validate(
+        {
+            "id": f"d{i}",
+            "state": state,
+            "question": question,
+            "options": [
+                {"id": "access", "description": "Account access and login"},
+                {"id": "billing", "description": "Billing, invoices and refunds"},
+                {"id": "shipping", "description": "Shipping and delivery"},
+                {"id": "tech", "description": "Technical outage or error"},
+            ],
+        }
+    )
+
+
+def _sized_state(engine: Engine, seed: int, target_tokens: int) -> dict[str, Any]:
+    words = max(4, target_tokens // 2)
+    for _ in range(30):
+        tokens = len(engine.prompt_tokens(_decision(0, _state(seed, words))))
+        if abs(tokens - target_tokens) <= 8:
+            break
+        words = max(4, int(words * target_tokens / tokens))
+    return _state(seed, words)
+
+
+def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
+    ours, floor, n_tokens = [], [], 0
+    for r in range(repeats + 1):
+        request = _decision(r, _sized_state(engine, 1000 * target + r, target))
+        tokens = engine.prompt_tokens(request)
+        n_tokens = len(tokens)
+        _, floor_s = engine.plain_pass(tokens)
+        started = time.perf_counter()
+        outcome = engine.score([request])[0]
+        elapsed = time.perf_counter() - started
+        assert not isinstance(outcome, Exception), outcome
+        if r:  # the first pair warms up
+            ours.append(elapsed)
+            floor.append(floor_s)
+    ours_p50, floor_p50 = statistics.median(ours), statistics.median(floor)
+    return {
+        "prompt_tokens": n_tokens,
+        "engine_p50_ms": 1000 * ours_p50,
+        "floor_p50_ms": 1000 * floor_p50,
+        "ratio": ours_p50 / floor_p50,
+    }
+
+
+QUESTIONS = [
+    "Which queue should handle this case?",
+    "Which team owns the follow-up?",
+    "What is the most likely root cause?",
+    "Where should the customer be routed?",
+    "Which specialist should review it first?",
+    "What kind of problem is described?",
+    "Which department is responsible?",
+    "Which category fits the case best?",
+]
+
+
+def bench_shared(engine: Engine, repeats: int) -> dict[str, Any]:
+    grouped, independent, floors = [], [], []
+    for r in range(repeats + 1):
+        state = _sized_state(engine, 77_000 + r, 400)
+        requests = [_decision(i, state, q) for i, q in enumerate(QUESTIONS)]
+        engine.cache.clear()
+        started = time.perf_counter()
+        results = engine.score(requests)
+        grouped_s = time.perf_counter() - started
+        prefix_len = results[0].prompt.prefix_tokens  # type: ignore[union-attr]
+        started = time.perf_counter()
+        for request in requests:
+            engine.cache.clear()
+            engine.score([request])
+        independent_s = time.perf_counter() - started
+        tokens = [engine.prompt_tokens(q) for q in requests]
+        prefix_s, suffix_s = engine.floor_shared(
+            tokens[0][:prefix_len], [t[prefix_len:] for t in tokens]
+        )
+        if r:
+            grouped.append(grouped_s)
+            independent.append(independent_s)
+            floors.append(prefix_s + suffix_s)
+    engine.cache.clear()
+    g, i, f = statistics.median(grouped), statistics.median(independent), statistics.median(floors)
+    return {
+        "prefix_tokens": prefix_len,
+        "grouped_ms": 1000 * g,
+        "independent_ms": 1000 * i,
+        "floor_ms": 1000 * f,
+        "speedup_vs_independent": i / g,
+        "ratio_vs_floor": g / f,
+    }
+
+
+def bench_memory(engine: Engine) -> dict[str, Any]:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    budget = engine.model_info.bytes + engine.kv_cache_bytes() + 400 * 1024 * 1024
+    return {
+        "peak_rss_mb": peak / 2**20,
+        "gguf_mb": engine.model_info.bytes / 2**20,
+        "kv_cache_mb": engine.kv_cache_bytes() / 2**20,
+        "budget_mb": budget / 2**20,
+        "ratio": peak / budget,
+    }
+
+
+def run(engine: Engine, repeats: int) -> dict[str, Any]:
+    report: dict[str, Any] = {"model": engine.model_info.model_dump()}
+    report["single_150"] = bench_single(engine, 150, repeats)
+    report["single_600"] = bench_single(engine, 600, repeats)
+    report["shared_8x400"] = bench_shared(engine, max(2, repeats // 2))
+    report["memory"] = bench_memory(engine)
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    m = report["model"]
+    s150, s600, sh, mem = (
+        report[k] for k in ("single_150", "single_600", "shared_8x400", "memory")
+    )
+    return "\n".join(
+        [
+            f"model: {m['file']} ({m['quantization']}), threads={m['threads']}, "
+            f"n_ctx={m['context_tokens']}",
+            "",
+            "| measure | Arbiter | baseline (same run) | ratio | target |",
+            "|---|---|---|---|---|",
+            f"| single decision, {s150['prompt_tokens']} tokens | {s150['engine_p50_ms']:.1f} ms | "
+            f"floor {s150['floor_p50_ms']:.1f} ms | {s150['ratio']:.3f} | <= 1.10 |",
+            f"| single decision, {s600['prompt_tokens']} tokens | {s600['engine_p50_ms']:.1f} ms | "
+            f"floor {s600['floor_p50_ms']:.1f} ms | {s600['ratio']:.3f} | <= 1.10 |",
+            f"| 8 questions, one {sh['prefix_tokens']}-token state | {sh['grouped_ms']:.0f} ms | "
+            f"8 independent {sh['independent_ms']:.0f} ms | {sh['speedup_vs_independent']:.2f}x "
+            "faster | >= 4x |",
+            f"| 8 questions, one state | {sh['grouped_ms']:.0f} ms | floor(prefix) + 8 suffix "
+            f"floors {sh['floor_ms']:.0f} ms | {sh['ratio_vs_floor']:.3f} | <= 1.3 |",
+            f"| peak RSS | {mem['peak_rss_mb']:.0f} MB | GGUF {mem['gguf_mb']:.0f} + KV "
+            f"{mem['kv_cache_mb']:.0f} + 400 MB | {mem['ratio']:.3f} | < 1.0 |",
+        ]
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    engine = open_engine(model=args.model)
+    try:
+        report = run(engine, args.repeats)
+    finally:
+        engine.close()
+    ratios = {
+        "single_150_vs_floor": round(report["single_150"]["ratio"], 4),
+        "single_600_vs_floor": round(report["single_600"]["ratio"], 4),
+        "shared_speedup_vs_independent": round(report["shared_8x400"]["speedup_vs_independent"], 3),
+        "shared_vs_floor": round(report["shared_8x400"]["ratio_vs_floor"], 4),
+        "peak_rss_vs_budget": round(report["memory"]["ratio"], 4),
+    }
+    if args.json:
+        print(json.dumps(report))
+        print(json.dumps(ratios))
+    else:
+        print(render(report))
+        print()
+        print(json.dumps(ratios))
+    return 0

