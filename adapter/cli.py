@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
-from adapter.errors import ArbiterError, InvalidDecision
+from adapter.errors import ArbiterError, InvalidDecision, MalformedRequest
 from adapter.schema import DecisionRequest
 
 
@@ -34,9 +34,9 @@ def parse_decision_line(line: str) -> DecisionRequest:
     try:
         raw = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise InvalidDecision(f"line is not valid JSON: {exc}", code="invalid_json") from exc
+        raise MalformedRequest(f"line is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
-        raise InvalidDecision("line must be a JSON object (one decision)", code="invalid_json")
+        raise InvalidDecision("line must be a JSON object (one decision)", code="invalid_type")
     try:
         return DecisionRequest.model_validate(raw)
     except ValidationError as exc:

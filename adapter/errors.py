@@ -33,10 +33,18 @@ class ArbiterError(Exception):
         return self
 
 
-class InvalidDecision(ArbiterError):
-    """The request is well-formed JSON but a decision in it cannot be scored as given."""
+class MalformedRequest(ArbiterError):
+    """The body cannot be read at all (not JSON, not UTF-8)."""
 
     status = 400
+    type = "invalid_request_error"
+    code = "invalid_json"
+
+
+class InvalidDecision(ArbiterError):
+    """Valid JSON, but a decision in it breaks the schema or a limit (``param`` names the field)."""
+
+    status = 422
     type = "invalid_request_error"
     code = "invalid_decision"
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from adapter.engine import Engine, open_engine
+from adapter.prompt import state_text
 from adapter.schema import DecisionRequest
 
 _WORDS = [
@@ -86,10 +87,20 @@ def _decision(
     )
 
 
-def _sized_state(engine: Engine, seed: int, target_tokens: int) -> dict[str, Any]:
+def _sized_state(
+    engine: Engine, seed: int, target_tokens: int, *, whole_prompt: bool = True
+) -> dict[str, Any]:
+    """A state sized so that the whole prompt (or the state alone) is about ``target_tokens``."""
+
+    def count(words: int) -> int:
+        state = _state(seed, words)
+        if whole_prompt:
+            return len(engine.prompt_tokens(_decision(0, state)))
+        return len(engine.tokenize_content(state_text(state)))
+
     words = max(4, target_tokens // 2)
     for _ in range(30):
-        tokens = len(engine.prompt_tokens(_decision(0, _state(seed, words))))
+        tokens = count(words)
         if abs(tokens - target_tokens) <= 8:
             break
         words = max(4, int(words * target_tokens / tokens))
@@ -134,7 +145,7 @@ QUESTIONS = [
 def bench_shared(engine: Engine, repeats: int) -> dict[str, Any]:
     grouped, independent, floors = [], [], []
     for r in range(repeats + 1):
-        state = _sized_state(engine, 77_000 + r, 400)
+        state = _sized_state(engine, 77_000 + r, 400, whole_prompt=False)
         requests = [_decision(i, state, q) for i, q in enumerate(QUESTIONS)]
         engine.cache.clear()
         started = time.perf_counter()

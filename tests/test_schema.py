@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from adapter.cli import parse_decision_line
-from adapter.errors import InvalidDecision
+from adapter.errors import ArbiterError
 
 
 def _line(**overrides: Any) -> dict[str, Any]:
@@ -22,11 +22,11 @@ def _line(**overrides: Any) -> dict[str, Any]:
     return base
 
 
-def _error(raw: dict[str, Any] | str) -> InvalidDecision:
+def _error(raw: dict[str, Any] | str) -> ArbiterError:
     import json
 
     text = raw if isinstance(raw, str) else json.dumps(raw)
-    with pytest.raises(InvalidDecision) as info:
+    with pytest.raises(ArbiterError) as info:
         parse_decision_line(text)
     return info.value
 
@@ -66,7 +66,7 @@ def test_invalid_decisions_name_the_field(
     err = _error(_line(**overrides))
     assert err.param is not None and err.param.startswith(param), err.param
     assert needle in err.message.lower(), err.message
-    assert err.status == 400
+    assert err.status == 422
 
 
 def test_missing_fields_are_named() -> None:
@@ -86,8 +86,8 @@ def test_state_with_nan_is_not_json() -> None:
 
 def test_malformed_json_line() -> None:
     err = _error('{"id": "x", ')
-    assert err.code == "invalid_json"
-    assert _error("[1, 2]").code == "invalid_json"
+    assert err.code == "invalid_json" and err.status == 400
+    assert _error("[1, 2]").code == "invalid_type"
 
 
 def test_state_may_be_string_object_or_array() -> None:
