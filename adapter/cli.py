@@ -92,8 +92,14 @@ def _raw_id(line: str) -> Any:
     return raw.get("id") if isinstance(raw, dict) else None
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def cmd_bench_engine(args: argparse.Namespace) -> int:
     from bench.engine_bench import main as bench_main
+
+    return bench_main(args)
+
+
+def cmd_bench_models(args: argparse.Namespace) -> int:
+    from bench.models_bench import main as bench_main
 
     return bench_main(args)
 
@@ -115,7 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--model", type=Path, default=None)
     engine.add_argument("--json", action="store_true", help="print JSON (last line: the ratios)")
     engine.add_argument("--repeats", type=int, default=5)
-    engine.set_defaults(func=cmd_bench)
+    engine.set_defaults(func=cmd_bench_engine)
+    models = bench_sub.add_parser("models", help="compare the bundled candidate models")
+    models.add_argument("--file", default="examples/labeled.jsonl", help="labeled decisions")
+    models.add_argument("--json", action="store_true")
+    models.set_defaults(func=cmd_bench_models)
     return parser
 
 
