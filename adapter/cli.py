@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--file", default="examples/labeled.jsonl", help="labeled decisions")
     models.add_argument("--json", action="store_true")
     models.set_defaults(func=cmd_bench_models)
+    from worker.cli import register as register_worker_commands  # work, submit, local, bench worker
+
+    register_worker_commands(sub, bench_sub)
     return parser
 
 

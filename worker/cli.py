@@ -1,0 +1,89 @@
+"""`arbiter work`, `arbiter submit`, `arbiter local` and `arbiter bench worker`.
+
+Imports here stay light: ``adapter.cli`` imports this module to build the parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _settings(args: argparse.Namespace, **extra: Any) -> Any:
+    from worker.settings import WorkerSettings
+
+    overrides = {k: v for k, v in extra.items() if v is not None}
+    return WorkerSettings(**overrides)
+
+
+def cmd_work(args: argparse.Namespace) -> int:
+    from worker.pool import configure_logging, run_pool
+
+    configure_logging()
+    settings = _settings(args, worker_processes=args.processes, metrics_port=args.metrics_port)
+    return asyncio.run(run_pool(settings))
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from worker.submit import submit
+
+    settings = _settings(args)
+    summary = asyncio.run(submit(settings, Path(args.file), key=args.key, timeout_s=args.timeout))
+    if summary is None:
+        print(
+            f"no summary after {args.timeout:.0f} s; the job may still be running", file=sys.stderr
+        )
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    from worker.local import run_local
+
+    return run_local(args)
+
+
+def cmd_bench_worker(args: argparse.Namespace) -> int:
+    from bench.worker_bench import main as bench_main
+
+    return bench_main(args)
+
+
+def register(sub: Any, bench_sub: Any | None = None) -> None:
+    """Add the worker subcommands to the ``arbiter`` parser (and ``bench worker``)."""
+    work = sub.add_parser("work", help="run the batch worker pool (S3 jobs announced on SQS)")
+    work.add_argument("--processes", type=int, default=None, help="ARBITER_WORKER_PROCESSES")
+    work.add_argument("--metrics-port", type=int, default=None, help="ARBITER_METRICS_PORT")
+    work.set_defaults(func=cmd_work)
+
+    submit = sub.add_parser("submit", help="upload a job file, wait for it, print its summary")
+    submit.add_argument("file", help="a .jsonl / .json job (optionally .gz)")
+    submit.add_argument("--key", default=None, help="object key (default: input prefix + name)")
+    submit.add_argument("--timeout", type=float, default=900.0, help="seconds to wait")
+    submit.set_defaults(func=cmd_submit)
+
+    local = sub.add_parser(
+        "local", help="moto S3+SQS, bucket, queues, notification, `serve` and `work` on this host"
+    )
+    local.add_argument("--moto-port", type=int, default=4569, help="moto server port (0: any)")
+    local.add_argument("--processes", type=int, default=None, help="worker processes")
+    local.add_argument("--no-serve", action="store_true", help="do not start `arbiter serve`")
+    local.add_argument("--no-work", action="store_true", help="do not start `arbiter work`")
+    local.set_defaults(func=cmd_local)
+
+    if bench_sub is not None:
+        bench = bench_sub.add_parser(
+            "worker", help="end-to-end job throughput vs the engine alone, grouped vs ungrouped"
+        )
+        bench.add_argument("--decisions", type=int, default=1000, help="job size (10 per state)")
+        bench.add_argument(
+            "--ungrouped", type=int, default=100, help="decisions scored one by one, uncached"
+        )
+        bench.add_argument("--model", type=Path, default=None)
+        bench.add_argument("--json", action="store_true", help="print JSON")
+        bench.set_defaults(func=cmd_bench_worker)

@@ -1,0 +1,150 @@
+"""What arrives on the queue: S3 event notifications, S3's test event, or a direct ``{bucket, key}``.
+
+AWS models keep AWS field names (``Records``, ``eTag``); the domain model :class:`JobRef` is frozen.
+S3 URL-encodes object keys in notifications (a space becomes ``+``; moto also encodes ``/``), so keys
+are decoded with ``unquote_plus``. Events are at-least-once and unordered: the job a key names is
+identified by its ETag, and the output key is derived from both.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import unquote_plus
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+JOB_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+
+
+class S3Object(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    key: str
+    size: int | None = None
+    eTag: str | None = None
+    versionId: str | None = None
+    sequencer: str | None = None
+
+
+class S3Bucket(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arn: str | None = None
+
+
+class S3Entity(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    bucket: S3Bucket
+    object: S3Object
+
+
+class S3EventRecord(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    eventSource: str = "aws:s3"
+    eventName: str = ""
+    s3: S3Entity
+
+
+class S3EventNotification(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    Records: list[S3EventRecord] = Field(min_length=1)
+
+
+class S3TestEvent(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    Service: str
+    Event: Literal["s3:TestEvent"]
+
+
+class DirectMessage(BaseModel):
+    """``{"bucket": ..., "key": ...}`` sent by hand; the key is taken literally (not URL-encoded)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bucket: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+    etag: str | None = None
+    version_id: str | None = None
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """One input object to process. ``etag`` is unquoted; None means "look it up"."""
+
+    bucket: str
+    key: str
+    etag: str | None = None
+    version_id: str | None = None
+    size: int | None = None
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """A message with nothing to do (acknowledged and deleted)."""
+
+    reason: str
+
+
+class UnreadableMessage(ValueError):
+    """A message body that is none of the shapes above: a poison pill, not a retryable failure."""
+
+
+def normalize_etag(etag: str | None) -> str | None:
+    """Events carry ETags bare, HeadObject quoted: compare them bare."""
+    return etag.strip('"') if etag else None
+
+
+def _accept(ref: JobRef, bucket: str, input_prefix: str) -> JobRef | Ignored:
+    if ref.bucket != bucket:
+        return Ignored(f"bucket {ref.bucket!r} is not the job bucket {bucket!r}")
+    if not ref.key.startswith(input_prefix):
+        return Ignored(f"key {ref.key!r} is outside the input prefix {input_prefix!r}")
+    if not ref.key.endswith(JOB_SUFFIXES):
+        return Ignored(f"key {ref.key!r} is not a job file ({', '.join(JOB_SUFFIXES)})")
+    return ref
+
+
+def parse_message(body: str, *, bucket: str, input_prefix: str) -> list[JobRef | Ignored]:
+    """The jobs (and ignored entries) a message announces, one per record.
+
+    Raises :class:`UnreadableMessage` for a body that is not one of the accepted shapes.
+    """
+    try:
+        raw: Any = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise UnreadableMessage(f"message body is not JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise UnreadableMessage("message body is not a JSON object")
+    try:
+        if raw.get("Event") == "s3:TestEvent":
+            S3TestEvent.model_validate(raw)
+            return [Ignored("s3:TestEvent")]
+        if "Records" in raw:
+            event = S3EventNotification.model_validate(raw)
+            out: list[JobRef | Ignored] = []
+            for record in event.Records:
+                if not record.eventName.startswith("ObjectCreated"):
+                    out.append(Ignored(f"event {record.eventName!r} is not an object creation"))
+                    continue
+                obj = record.s3.object
+                ref = JobRef(
+                    bucket=record.s3.bucket.name,
+                    key=unquote_plus(obj.key),
+                    etag=normalize_etag(obj.eTag),
+                    version_id=obj.versionId,
+                    size=obj.size,
+                )
+                out.append(_accept(ref, bucket, input_prefix))
+            return out
+        direct = DirectMessage.model_validate(raw)
+    except ValidationError as exc:
+        raise UnreadableMessage(f"message is not an S3 event or {{bucket, key}}: {exc}") from exc
+    ref = JobRef(direct.bucket, direct.key, normalize_etag(direct.etag), direct.version_id)
+    return [_accept(ref, bucket, input_prefix)]

@@ -1,0 +1,81 @@
+"""Prometheus metrics of the worker pool, defined here and nowhere else.
+
+Worker processes write their samples to ``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's
+multiprocess mode; :func:`worker.pool.prepare_multiprocess_dir` sets the variable before any
+process imports prometheus_client); the pool process serves the merged view on the metrics port.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+class WorkerMetrics:
+    """The worker's metrics. ``registry=None`` registers nowhere (multiprocess mode: the samples
+    go to files that the pool's collector reads); tests pass their own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        kw = {"registry": registry}
+        self.jobs = Counter(
+            "arbiter_worker_jobs_total",
+            "Jobs by outcome (ok, failed, duplicate, superseded, ignored, unreadable).",
+            ["outcome"],
+            **kw,
+        )
+        self.lines = Counter(
+            "arbiter_worker_lines_total", "Job lines by outcome (ok, error).", ["outcome"], **kw
+        )
+        self.decisions_per_s = Gauge(
+            "arbiter_worker_decisions_per_second",
+            "Decisions per second of the latest job, summed over live worker processes.",
+            multiprocess_mode="livesum",
+            **kw,
+        )
+        self.job_seconds = Histogram(
+            "arbiter_worker_job_seconds",
+            "Wall time of a job, from receive to the summary written.",
+            buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
+            **kw,
+        )
+        self.receive_latency = Histogram(
+            "arbiter_worker_receive_latency_seconds",
+            "Age of a message when a worker received it (SentTimestamp to receive).",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            **kw,
+        )
+        self.visibility_extensions = Counter(
+            "arbiter_worker_visibility_extensions_total",
+            "Heartbeats that extended a running job's message visibility.",
+            **kw,
+        )
+        self.dlq_moves = Counter(
+            "arbiter_worker_dlq_moves_total",
+            "Messages sent to the dead-letter queue: by the redrive policy after their last "
+            "allowed receive failed (reason=max_receives), or directly (reason=unreadable).",
+            ["reason"],
+            **kw,
+        )
+        self.restarts = Counter(
+            "arbiter_worker_restarts_total", "Worker processes restarted after dying.", **kw
+        )
+
+
+def multiprocess_registry() -> CollectorRegistry:
+    """A registry that reads every process's samples at each scrape."""
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return registry
+
+
+def mark_process_dead(pid: int) -> None:
+    """Drop a dead process's live gauges (counters and histograms keep their samples)."""
+    if os.environ.get(MULTIPROC_ENV):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)

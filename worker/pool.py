@@ -1,0 +1,224 @@
+"""`arbiter work`: a pool of worker processes, each with its own engine and queue consumer.
+
+The pool process loads no model. It starts N worker processes (spawned, so no llama.cpp state is
+ever forked), restarts one that dies, serves the merged Prometheus metrics of all of them, and on
+SIGTERM (or SIGINT) passes SIGTERM on: each worker stops receiving, finishes the job in hand or
+releases its message at the drain deadline, and exits 0; so does the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from worker.settings import WorkerSettings
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """structlog, once per process: JSON lines on stderr (key=value on a terminal)."""
+    renderer: Any = (
+        structlog.dev.ConsoleRenderer()
+        if sys.stderr.isatty()
+        else structlog.processors.JSONRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.format_exc_info,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def prepare_multiprocess_dir(path: Path) -> Path:
+    """Wipe and create the samples directory and point prometheus-client at it. Must run before
+    prometheus_client is imported in this process (it picks its value class at import)."""
+    if "prometheus_client" in sys.modules and not os.environ.get(MULTIPROC_ENV):
+        raise RuntimeError("prometheus_client was imported before multiprocess mode was set up")
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    os.environ[MULTIPROC_ENV] = str(path)
+    return path
+
+
+def load_engine_factory(spec: str) -> Callable[..., Any]:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name or "open_engine")  # type: ignore[no-any-return]
+
+
+# -- one worker process ----------------------------------------------------------------------------
+
+
+def worker_main(settings_data: dict[str, Any], index: int) -> None:
+    """Entry point of a worker process: engine, clients, consumer, until SIGTERM."""
+    configure_logging()
+    structlog.contextvars.bind_contextvars(worker=index, pid=os.getpid())
+    settings = WorkerSettings.model_validate(settings_data)
+    try:
+        asyncio.run(_worker(settings))
+    except Exception:
+        structlog.get_logger("arbiter.worker").exception("worker.crashed")
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stderr.flush()
+    # A job cancelled at the drain deadline may still have a chunk computing in a thread; the
+    # message is already released, so do not wait for it.
+    os._exit(0)
+
+
+async def _worker(settings: WorkerSettings) -> None:
+    from aiobotocore.session import get_session
+
+    from adapter.settings import EngineSettings
+    from worker.metrics import WorkerMetrics
+    from worker.queue import Consumer, describe_queue
+
+    log = structlog.get_logger("arbiter.worker")
+    threads = settings.threads_per_process()
+    engine = load_engine_factory(settings.worker_engine_factory)(EngineSettings(n_threads=threads))
+    log.info("engine.loaded", threads=threads, model=getattr(engine.model_info, "file", None))
+    session = get_session()
+    async with (
+        session.create_client("s3", **settings.client_kwargs()) as s3,
+        session.create_client("sqs", **settings.client_kwargs()) as sqs,
+    ):
+        queue = await describe_queue(sqs, settings)
+        consumer = Consumer(settings, s3, sqs, engine, queue, WorkerMetrics(registry=None))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, consumer.stop)
+        await consumer.run()
+
+
+# -- the pool --------------------------------------------------------------------------------------
+
+
+class Pool:
+    """N worker processes kept alive until :meth:`stop`."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self._ctx = multiprocessing.get_context("spawn")
+        self._procs: dict[int, Any] = {}
+        self._stopping = asyncio.Event()
+        self.log = structlog.get_logger("arbiter.pool")
+
+    def _start(self, index: int) -> None:
+        proc = self._ctx.Process(
+            target=worker_main,
+            args=(self.settings.model_dump(), index),
+            name=f"arbiter-worker-{index}",
+        )
+        proc.start()
+        self._procs[index] = proc
+        self.log.info("pool.worker_started", worker=index, worker_pid=proc.pid)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> int:
+        from worker.metrics import WorkerMetrics, mark_process_dead
+
+        metrics = WorkerMetrics(registry=None)
+        for index in range(self.settings.worker_processes):
+            self._start(index)
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), timeout=0.2)
+            if self._stopping.is_set():
+                break
+            for index, proc in list(self._procs.items()):
+                if proc.exitcode is None:
+                    continue
+                self.log.error("pool.worker_died", worker=index, exitcode=proc.exitcode)
+                mark_process_dead(proc.pid)
+                metrics.restarts.inc()
+                await asyncio.sleep(self.settings.restart_delay_s)
+                if not self._stopping.is_set():
+                    self._start(index)
+        await self._shutdown(mark_process_dead)
+        return 0
+
+    async def _shutdown(self, mark_dead: Callable[[int], None]) -> None:
+        self.log.info("pool.draining", deadline_s=self.settings.drain_deadline_s)
+        for proc in self._procs.values():
+            if proc.exitcode is None and proc.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+        # Workers release their message at the deadline; leave them a little longer to do it.
+        limit = time.monotonic() + self.settings.drain_deadline_s + 15
+        while time.monotonic() < limit:
+            if all(p.exitcode is not None for p in self._procs.values()):
+                break
+            await asyncio.sleep(0.1)
+        for index, proc in self._procs.items():
+            if proc.exitcode is None:
+                self.log.error("pool.worker_killed", worker=index)
+                proc.kill()
+                proc.join(5)
+            mark_dead(proc.pid)
+        self.log.info("pool.stopped")
+
+
+async def _serve_metrics(settings: WorkerSettings) -> Any:
+    from aiohttp import web
+    from prometheus_client.aiohttp import make_aiohttp_handler
+
+    from worker.metrics import multiprocess_registry
+
+    app = web.Application()
+    app.router.add_get("/metrics", make_aiohttp_handler(registry=multiprocess_registry()))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.metrics_host, settings.metrics_port)
+    await site.start()
+    return runner
+
+
+async def run_pool(settings: WorkerSettings, metrics_dir: Path | None = None) -> int:
+    """Run the pool until SIGTERM/SIGINT; returns the exit status (0 after a drain)."""
+    log = structlog.get_logger("arbiter.pool")
+    owned = metrics_dir is None and not os.environ.get(MULTIPROC_ENV)
+    if os.environ.get(MULTIPROC_ENV) and metrics_dir is None:
+        metrics_dir = Path(os.environ[MULTIPROC_ENV])
+    metrics_dir = metrics_dir or Path(tempfile.mkdtemp(prefix="arbiter-metrics-"))
+    prepare_multiprocess_dir(metrics_dir)
+    pool = Pool(settings)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, pool.stop)
+    runner = await _serve_metrics(settings) if settings.metrics_port else None
+    if runner is not None:
+        log.info(
+            "pool.metrics",
+            url=f"http://{settings.metrics_host}:{settings.metrics_port}/metrics",
+        )
+    try:
+        return await pool.run()
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        if owned:
+            shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -1,0 +1,117 @@
+"""The worker pool's configuration: every ``ARBITER_*`` variable the worker reads is named here."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlsplit
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def _cores() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+
+
+class WorkerSettings(BaseSettings):
+    """Where jobs come from and go to, and how the pool runs them (env prefix ``ARBITER_``).
+
+    The engine itself is configured by :class:`adapter.settings.EngineSettings` (``ARBITER_MODEL``,
+    ``ARBITER_N_CTX``, ...); the pool overrides only ``n_threads`` (cores / processes).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="ARBITER_", extra="ignore", populate_by_name=True)
+
+    aws_endpoint_url: str | None = Field(
+        default=None,
+        description="S3 and SQS endpoint (a moto server, LocalStack); unset: the AWS default.",
+    )
+    aws_region: str = Field(default="us-east-1", description="Region of the bucket and queues.")
+    bucket: str = Field(default="arbiter-jobs", min_length=3, description="Job bucket.")
+    input_prefix: str = Field(default="incoming/", description="Jobs are dropped under this.")
+    output_prefix: str = Field(default="results/", min_length=1, description="Results go here.")
+    queue_name: str = Field(default="arbiter-jobs", description="Queue of S3 notifications.")
+    queue_url: str | None = Field(
+        default=None, description="Queue URL; unset: looked up from queue_name."
+    )
+    dlq_name: str = Field(default="arbiter-jobs-dlq", description="Dead-letter queue name.")
+    max_receive_count: int = Field(
+        default=5, ge=1, le=1000, description="Receives before SQS moves a job to the DLQ."
+    )
+
+    worker_processes: int = Field(
+        default=1, ge=1, le=64, description="Worker processes, each with its own engine."
+    )
+    worker_threads: int | None = Field(
+        default=None, ge=1, description="llama.cpp threads per process; unset: cores / processes."
+    )
+    worker_engine_factory: str = Field(
+        default="adapter.engine:open_engine",
+        description="`module:callable` building the engine from EngineSettings (tests use a fake).",
+    )
+    chunk_decisions: int = Field(
+        default=256, ge=1, description="Lines parsed and scored per engine call (bounds memory)."
+    )
+    wait_time_s: int = Field(default=20, ge=0, le=20, description="SQS long-poll wait.")
+    visibility_timeout_s: int = Field(
+        default=60, ge=1, le=43_200, description="Visibility a job message is given (and renewed)."
+    )
+    heartbeat_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Visibility renewal interval; unset: a third of the timeout.",
+    )
+    backoff_base_s: float = Field(
+        default=2.0, ge=0, description="Retry delay after the first failed receive; doubles."
+    )
+    backoff_max_s: float = Field(default=300.0, ge=0, le=43_200, description="Retry delay cap.")
+    drain_deadline_s: float = Field(
+        default=25.0, ge=0, description="On SIGTERM: time to finish the job in hand, then release."
+    )
+    restart_delay_s: float = Field(
+        default=1.0, ge=0, description="Wait before restarting a worker process that died."
+    )
+    multipart_threshold_mb: float = Field(
+        default=16.0, ge=0, description="Results larger than this are uploaded in parts."
+    )
+    part_size_mb: float = Field(
+        default=8.0, ge=5, description="Multipart part size (S3's minimum is 5 MiB)."
+    )
+    tmp_dir: str | None = Field(
+        default=None, description="Where results are spooled before upload."
+    )
+    metrics_port: int = Field(
+        default=9108, ge=0, le=65535, description="Prometheus /metrics of the pool (0: off)."
+    )
+    metrics_host: str = Field(default="127.0.0.1", description="Address /metrics binds to.")
+
+    @model_validator(mode="after")
+    def _prefixes_apart(self) -> WorkerSettings:
+        a, b = self.input_prefix, self.output_prefix
+        if a.startswith(b) or b.startswith(a):
+            raise ValueError(
+                f"output_prefix {b!r} and input_prefix {a!r} overlap: results would be "
+                "picked up as new jobs"
+            )
+        return self
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.heartbeat_s or max(0.5, self.visibility_timeout_s / 3)
+
+    def threads_per_process(self) -> int:
+        return self.worker_threads or max(1, _cores() // self.worker_processes)
+
+    def client_kwargs(self) -> dict[str, str]:
+        """aiobotocore client arguments. A loopback endpoint (moto) with no credentials in the
+        environment gets moto's dummy ones, so `arbiter local` needs no AWS set-up."""
+        kwargs = {"region_name": self.aws_region}
+        if self.aws_endpoint_url:
+            kwargs["endpoint_url"] = self.aws_endpoint_url
+            host = urlsplit(self.aws_endpoint_url).hostname or ""
+            if host in _LOOPBACK and not os.environ.get("AWS_ACCESS_KEY_ID"):
+                kwargs["aws_access_key_id"] = "testing"
+                kwargs["aws_secret_access_key"] = "testing"
+        return kwargs

@@ -1,0 +1,58 @@
+"""Provisioning of the job bucket and queues: what `arbiter local`, the tests and the benchmark
+create on a moto server (and what infrastructure code would create on AWS)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from botocore.exceptions import ClientError
+
+from worker.settings import WorkerSettings
+
+
+async def ensure_stack(s3: Any, sqs: Any, settings: WorkerSettings) -> dict[str, str]:
+    """Create (idempotently) the bucket, the dead-letter queue, the job queue with a redrive
+    policy to it, and the S3 -> SQS notification for objects created under the input prefix."""
+    try:
+        await s3.create_bucket(Bucket=settings.bucket)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") not in {
+            "BucketAlreadyOwnedByYou",
+            "BucketAlreadyExists",
+        }:
+            raise
+    dlq_url = (await sqs.create_queue(QueueName=settings.dlq_name))["QueueUrl"]
+    dlq_arn = await _arn(sqs, dlq_url)
+    redrive = {"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(settings.max_receive_count)}
+    queue_url = (
+        await sqs.create_queue(
+            QueueName=settings.queue_name,
+            Attributes={
+                "VisibilityTimeout": str(settings.visibility_timeout_s),
+                "RedrivePolicy": json.dumps(redrive),
+            },
+        )
+    )["QueueUrl"]
+    queue_arn = await _arn(sqs, queue_url)
+    await s3.put_bucket_notification_configuration(
+        Bucket=settings.bucket,
+        NotificationConfiguration={
+            "QueueConfigurations": [
+                {
+                    "Id": "arbiter-jobs",
+                    "QueueArn": queue_arn,
+                    "Events": ["s3:ObjectCreated:*"],
+                    "Filter": {
+                        "Key": {"FilterRules": [{"Name": "prefix", "Value": settings.input_prefix}]}
+                    },
+                }
+            ]
+        },
+    )
+    return {"queue_url": queue_url, "dlq_url": dlq_url, "queue_arn": queue_arn}
+
+
+async def _arn(sqs: Any, url: str) -> str:
+    attrs = await sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])
+    return str(attrs["Attributes"]["QueueArn"])
