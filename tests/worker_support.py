@@ -1,0 +1,178 @@
+"""Helpers for the worker tests: one moto server per session (on 127.0.0.1), clients, fakes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import threading
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from adapter.errors import ArbiterError
+from adapter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
+
+CREDS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+
+
+@functools.cache
+def moto_endpoint() -> str:
+    """Start moto's threaded server once for the session (stopped at exit with the process)."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    import atexit
+
+    atexit.register(server.stop)
+    return f"http://{host}:{port}"
+
+
+def reset_moto(endpoint: str) -> None:
+    request = urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+
+
+def decision_line(i: int, state: str = "Order 1 arrived broken.", question: str = "Route?") -> str:
+    return json.dumps(
+        {
+            "id": f"d{i}",
+            "state": state,
+            "question": question,
+            "options": [
+                {"id": "refund", "description": "Refund the customer"},
+                {"id": "replace", "description": "Send a replacement"},
+            ],
+        }
+    )
+
+
+FAKE_MODEL = ModelInfo(
+    file="fake.gguf",
+    bytes=0,
+    sha256="0" * 64,
+    architecture="fake",
+    quantization="none",
+    description="fake engine for queue tests",
+    context_tokens=0,
+    threads=1,
+    n_gpu_layers=0,
+    chat_template=False,
+    llama_cpp_python_version="none",
+    llama_cpp_build="none",
+)
+
+
+class FakeEngine:
+    """Scores instantly (or after ``delay_s`` per call); ``fail`` raises to fail the job."""
+
+    def __init__(self, delay_s: float = 0.0, fail: bool = False) -> None:
+        self.model_info = FAKE_MODEL
+        self.delay_s = delay_s
+        self.fail = fail
+        self.calls = 0
+        self.scored = 0
+        self.started = threading.Event()
+
+    def score(self, decisions: Sequence[DecisionRequest]) -> list[DecisionResult | ArbiterError]:
+        self.calls += 1
+        self.started.set()
+        if self.fail:
+            raise RuntimeError("fake engine failure")
+        time.sleep(self.delay_s)
+        self.scored += len(decisions)
+        return [_result(d) for d in decisions]
+
+
+def _result(d: DecisionRequest) -> DecisionResult:
+    n = len(d.options)
+    return DecisionResult(
+        id=d.id,
+        option_ids=[o.id for o in d.options],
+        probabilities=[1 / n] * n,
+        option_logits=[0.0] * n,
+        choice=d.options[0].id,
+        allowed_mass=1.0,
+        temperature=1.0,
+        probability_status="raw",
+        prefix_cache="off",
+        prompt=PromptInfo(sha256="0" * 64, version="fake", input_tokens=10, prefix_tokens=0),
+        timing=Timing(tokenize_s=0, prefill_s=0, readout_s=0, total_s=0),
+        model=FAKE_MODEL,
+    )
+
+
+def make_fake_engine(settings: Any = None) -> FakeEngine:
+    """Engine factory for worker subprocesses (ARBITER_WORKER_ENGINE_FACTORY): delay from
+    ARBITER_FAKE_DELAY_S, failure from ARBITER_FAKE_FAIL."""
+    import os
+
+    return FakeEngine(
+        delay_s=float(os.environ.get("ARBITER_FAKE_DELAY_S", "0")),
+        fail=os.environ.get("ARBITER_FAKE_FAIL") == "1",
+    )
+
+
+async def wait_for(predicate: Any, within_s: float = 30.0, interval: float = 0.2) -> Any:
+    """Poll an async predicate until it returns something truthy."""
+    deadline = time.monotonic() + within_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        await asyncio.sleep(interval)
+
+
+@contextlib.asynccontextmanager
+async def aws_clients(endpoint: str) -> AsyncIterator[tuple[Any, Any]]:
+    """aiobotocore S3 and SQS clients on the moto endpoint, as the worker builds them."""
+    from aiobotocore.session import get_session
+
+    session = get_session()
+    kw = {"region_name": "us-east-1", "endpoint_url": endpoint, **CREDS}
+    async with (
+        session.create_client("s3", **kw) as s3,
+        session.create_client("sqs", **kw) as sqs,
+    ):
+        yield s3, sqs
+
+
+async def read_object(s3: Any, bucket: str, key: str) -> bytes:
+    got = await s3.get_object(Bucket=bucket, Key=key)
+    async with got["Body"] as body:
+        data: bytes = await body.read()
+    return data
+
+
+async def list_keys(s3: Any, bucket: str, prefix: str = "") -> list[str]:
+    got = await s3.list_objects_v2(Bucket=bucket, Prefix=prefix)
+    return sorted(o["Key"] for o in got.get("Contents", []))
+
+
+async def receive_all(sqs: Any, url: str, wait: int = 0) -> list[dict[str, Any]]:
+    got = await sqs.receive_message(
+        QueueUrl=url,
+        MaxNumberOfMessages=10,
+        WaitTimeSeconds=wait,
+        MessageSystemAttributeNames=["ApproximateReceiveCount"],
+    )
+    return list(got.get("Messages", []))
+
+
+async def queue_counts(sqs: Any, url: str) -> tuple[int, int]:
+    """(visible, in flight) messages."""
+    got = await sqs.get_queue_attributes(
+        QueueUrl=url,
+        AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"],
+    )
+    a = got["Attributes"]
+    return int(a["ApproximateNumberOfMessages"]), int(a["ApproximateNumberOfMessagesNotVisible"])
