@@ -84,6 +84,7 @@ def register(sub: Any, bench_sub: Any | None = None) -> None:
         bench.add_argument(
             "--ungrouped", type=int, default=100, help="decisions scored one by one, uncached"
         )
+        bench.add_argument("--state-tokens", type=int, default=400, help="tokens per state")
         bench.add_argument("--model", type=Path, default=None)
         bench.add_argument("--json", action="store_true", help="print JSON")
         bench.set_defaults(func=cmd_bench_worker)
