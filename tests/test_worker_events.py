@@ -177,8 +177,9 @@ async def test_json_document_is_read_element_by_element(size: int) -> None:
     assert _kinds(items) == [(1, "ok"), (2, "invalid_field"), (3, "invalid_type"), (4, "ok")]
 
 
-async def test_broken_json_document_ends_with_one_error() -> None:
-    data = ('{"decisions": [' + decision_line(1) + ", {oops").encode()
+@pytest.mark.parametrize("tail", [", {oops", " oops", ""])
+async def test_broken_json_document_ends_with_one_error(tail: str) -> None:
+    data = ('{"decisions": [' + decision_line(1) + tail).encode()
     items = await _collect("incoming/a.json", data, 3)
     assert _kinds(items) == [(1, "ok"), (2, "invalid_json")]
 

@@ -226,7 +226,8 @@ async def json_items(chunks: AsyncIterator[bytes]) -> AsyncIterator[Item]:
     stops (what follows cannot be located reliably).
     """
     stream = _TextStream(chunks)
-    index = 0
+    index = 0  # elements started; an error ends the document at the next line number
+    emitted = 0
     try:
         await stream.expect("{")
         while True:
@@ -242,6 +243,7 @@ async def json_items(chunks: AsyncIterator[bytes]) -> AsyncIterator[Item]:
                     while True:
                         index += 1
                         raw = await stream.value()
+                        emitted += 1
                         yield index, _validate(raw), _raw_id(raw)
                         if await stream.expect(",]") == "]":
                             break
@@ -249,7 +251,7 @@ async def json_items(chunks: AsyncIterator[bytes]) -> AsyncIterator[Item]:
                 return
     except (MalformedRequest, UnicodeDecodeError) as exc:
         error = exc if isinstance(exc, ArbiterError) else MalformedRequest(str(exc))
-        yield index + 1 if index == 0 else index, error, None
+        yield emitted + 1, error, None
 
 
 def _validate(raw: Any) -> DecisionRequest | ArbiterError:

@@ -52,14 +52,18 @@ def configure_logging(level: int = logging.INFO) -> None:
 
 
 def prepare_multiprocess_dir(path: Path) -> Path:
-    """Wipe and create the samples directory and point prometheus-client at it. Must run before
-    prometheus_client is imported in this process (it picks its value class at import)."""
-    if "prometheus_client" in sys.modules and not os.environ.get(MULTIPROC_ENV):
-        raise RuntimeError("prometheus_client was imported before multiprocess mode was set up")
+    """Wipe and create the samples directory and point prometheus-client at it (worker processes
+    inherit the variable; prometheus-client picks its value class from it at import)."""
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
     os.environ[MULTIPROC_ENV] = str(path)
+    if "prometheus_client.values" in sys.modules:
+        # Imported already (by another module of this process): switch its value class now, so
+        # the metrics this process creates from here on are written to the directory too.
+        from prometheus_client import values
+
+        values.ValueClass = values.get_value_class()
     return path
 
 

@@ -96,7 +96,14 @@ class Consumer:
                     await receive
                 break
             stopped.cancel()
-            for message in receive.result():
+            try:
+                messages = receive.result()
+            except Exception as exc:  # SQS unreachable for a moment: retry, do not die
+                log.error("queue.receive_failed", error=f"{type(exc).__name__}: {exc}")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), timeout=1.0)
+                continue
+            for message in messages:
                 self._busy = asyncio.create_task(self.handle(message))
                 await self._drain_or_finish(self._busy, message)
                 self._busy = None
