@@ -1,0 +1,1 @@
+"""Deployment as code: CloudFormation templates (``infra/cloudformation``) and `arbiter deploy`."""
