@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     from worker.cli import register as register_worker_commands  # work, submit, local, bench worker
 
     register_worker_commands(sub, bench_sub)
+    from adapter.evaluation import register as register_eval_commands  # eval, calibrate
+
+    register_eval_commands(sub)
     from infra.cli import register as register_infra_commands  # package-model, deploy
 
     register_infra_commands(sub)

@@ -22,6 +22,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from adapter import calibration, ordering
 from adapter import prompt as prompts
 from adapter.errors import (
     ArbiterError,
@@ -145,6 +146,10 @@ class Engine:
         _init_backend()
         self._load()
         self.cache = PrefixCache(int(settings.prefix_cache_mb * 1024 * 1024))
+        self.calibration: calibration.Calibration | None = None
+        if settings.calibration is not None:
+            self.calibration = calibration.Calibration.load(settings.calibration)
+            self.calibration.check_model(self.sha256, self.resolved.path.name)
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -316,17 +321,38 @@ class Engine:
         """Score decisions in any mix of states; outcomes come back in input order.
 
         A decision that cannot be scored (too many options, too long) becomes its typed error in
-        its slot; the others are scored regardless.
+        its slot; the others are scored regardless. ``order_samples`` expands a decision into
+        several option orders over its state (``adapter.ordering``); a calibration file sets the
+        temperature of decisions that set none (``adapter.calibration``).
         """
+        expanded, plan = ordering.expand(decisions)
         with self._lock:
-            outcomes: list[DecisionResult | ArbiterError | None] = [None] * len(decisions)
+            outcomes: list[DecisionResult | ArbiterError | None] = [None] * len(expanded)
             groups: dict[str, list[tuple[int, DecisionRequest]]] = {}
-            for i, request in enumerate(decisions):
+            for i, request in enumerate(expanded):
                 groups.setdefault(prompts.state_text(request.state), []).append((i, request))
             for state, members in groups.items():
                 for index, outcome in self._score_state(state, members):
                     outcomes[index] = outcome
-            return outcomes  # type: ignore[return-value]
+        merged = ordering.merge(decisions, outcomes, plan, self.settings.temperature)  # type: ignore[arg-type]
+        return [self._calibrated(d, o) for d, o in zip(decisions, merged, strict=True)]
+
+    def _calibrated(
+        self, request: DecisionRequest, outcome: DecisionResult | ArbiterError
+    ) -> DecisionResult | ArbiterError:
+        """Probabilities at the calibrated temperature, unless the request set its own."""
+        if self.calibration is None or request.temperature is not None:
+            return outcome
+        if isinstance(outcome, ArbiterError):
+            return outcome
+        temperature = self.calibration.temperature_for(request.question_type)
+        return outcome.model_copy(
+            update={
+                "probabilities": calibration.softmax(outcome.option_logits, temperature),
+                "temperature": temperature,
+                "probability_status": "calibrated",
+            }
+        )
 
     def _prepare(self, index: int, request: DecisionRequest) -> _Prepared:
         started = time.perf_counter()

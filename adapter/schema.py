@@ -35,6 +35,18 @@ class DecisionRequest(BaseModel):
     question: str = Field(min_length=1)
     options: list[Option] = Field(min_length=2)
     temperature: float | None = Field(default=None, gt=0, le=100)
+    question_type: Literal["noul", "choice", "score"] | None = Field(
+        default=None, description="System One question type; picks the calibrated temperature."
+    )
+    order_samples: int | None = Field(
+        default=None,
+        ge=1,
+        le=8,
+        description=(
+            "Score this many option orders (the given one, the reversed one, then seeded "
+            "shuffles) and average the logits by option id: the answer no longer depends on order."
+        ),
+    )
 
     @field_validator("state")
     @classmethod

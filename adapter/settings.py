@@ -48,3 +48,10 @@ class EngineSettings(BaseSettings):
         default=256.0, ge=0, description="Memory for saved state prefixes reused across requests."
     )
     temperature: float = Field(default=1.0, gt=0, description="Default softmax temperature.")
+    calibration: Path | None = Field(
+        default=None,
+        description=(
+            "A calibration file from `arbiter calibrate`: temperatures per question type, used "
+            "when a request sets none (results then say probability_status: calibrated)."
+        ),
+    )

@@ -147,6 +147,7 @@ def to_decisions(request: SystemOneRequest) -> list[DecisionRequest]:
                         "id": qid or "_",
                         "state": request.state,
                         "question": prompt or _DEFAULT_INSTRUCTIONS[question.type],
+                        "question_type": question.type,
                         "options": [
                             {"id": oid, "description": desc} for oid, desc in _options(question)
                         ],
