@@ -10,6 +10,7 @@ states, in a byte-bounded LRU so a later request over the same state skips the p
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 import hashlib
 import sys
@@ -194,6 +195,10 @@ class Engine:
         self._add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         self._bos = int(llama_cpp.llama_vocab_bos(self._vocab))
         template = llama_cpp.llama_model_chat_template(self._model, None)
+        # For chat completions (``generate``): the raw template, and the texts it names.
+        self.chat_template = template.decode("utf-8") if template else None
+        self.bos_text = self.piece(self._bos)
+        self.eos_text = self.piece(int(llama_cpp.llama_vocab_eos(self._vocab)))
         if template:
             self.layout = prompts.chat_layout(
                 template.decode("utf-8"),
@@ -621,6 +626,178 @@ class Engine:
             ),
             model=self.model_info,
         )
+
+    # -- text generation (chat completions) --------------------------------------------------------
+
+    def encode_segments(self, segments: Sequence[tuple[str, bool]]) -> np.ndarray:
+        """Tokens of a rendered chat prompt given as (text, is_template) pieces, in order.
+
+        Template text is tokenized with special-token parsing; caller text without it, so a
+        message can never inject a control token. BOS is added if the model wants one and the
+        template did not write it.
+        """
+        parts = [self._tokenize(text, special=special) for text, special in segments if text]
+        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        if self._add_bos and (len(tokens) == 0 or tokens[0] != self._bos):
+            tokens = np.concatenate([np.array([self._bos], dtype=np.int32), tokens])
+        return tokens.astype(np.int32)
+
+    def generate(
+        self,
+        tokens: np.ndarray,
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        on_text: Callable[[str], bool] | None = None,
+    ) -> Generation:
+        """Generate text after ``tokens``: greedy at temperature 0, else sampled with numpy.
+
+        Logits are computed at the last position only (prefill, then one token per decode).
+        ``on_text`` receives the text as it becomes final (never part of a stop string); returning
+        False stops the generation (finish reason ``cancelled``). Blocking; serialized with scoring.
+        """
+        if len(tokens) >= self.n_ctx:
+            raise ContextLengthExceeded(
+                f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} tokens",
+                param="messages",
+            )
+        budget = min(max_tokens, self.n_ctx - len(tokens))
+        rng = np.random.default_rng(seed)
+        with self._lock:
+            llama_cpp.llama_memory_clear(self._mem, True)
+            try:
+                return self._generate(tokens, budget, temperature, top_p, list(stop), rng, on_text)
+            finally:
+                llama_cpp.llama_memory_clear(self._mem, True)
+
+    def _generate(
+        self,
+        tokens: np.ndarray,
+        budget: int,
+        temperature: float,
+        top_p: float,
+        stop: list[str],
+        rng: np.random.Generator,
+        on_text: Callable[[str], bool] | None,
+    ) -> Generation:
+        started = time.perf_counter()
+        logits = self._last_logits(tokens, 0)
+        prefill_s = time.perf_counter() - started
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        text, sent, produced, finish = "", 0, 0, "length"
+        while produced < budget:
+            token = _sample(logits, temperature, top_p, rng)
+            if llama_cpp.llama_vocab_is_eog(self._vocab, token):
+                finish = "stop"
+                break
+            produced += 1
+            text += decoder.decode(self._piece_bytes(token))
+            cut = _stop_index(text, stop, sent)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+                break
+            final = len(text) - _held_back(text, stop)
+            if final > sent and on_text is not None:
+                if on_text(text[sent:final]) is False:
+                    return self._generation(
+                        text[:final], tokens, produced, "cancelled", started, prefill_s
+                    )
+                sent = final
+            if produced < budget:
+                logits = self._last_logits(
+                    np.array([token], dtype=np.int32), len(tokens) + produced - 1
+                )
+        if finish == "length":
+            text += decoder.decode(b"", final=True)
+        if on_text is not None and len(text) > sent:
+            on_text(text[sent:])
+        return self._generation(text, tokens, produced, finish, started, prefill_s)
+
+    def _generation(
+        self,
+        text: str,
+        tokens: np.ndarray,
+        produced: int,
+        finish: str,
+        started: float,
+        prefill_s: float,
+    ) -> Generation:
+        total = time.perf_counter() - started
+        return Generation(text, len(tokens), produced, finish, prefill_s, total - prefill_s)
+
+    def _last_logits(self, tokens: np.ndarray, start: int) -> np.ndarray:
+        n = len(tokens)
+        want = np.zeros(n, dtype=np.int8)
+        want[-1] = 1
+        out: list[np.ndarray] = []
+
+        def keep(_: int, batch_index: int) -> None:
+            ptr = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
+            if not ptr:
+                raise EngineFailure("llama.cpp returned no logits for a requested position")
+            out.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float64))
+
+        self._decode_stream(
+            tokens, np.arange(start, start + n, dtype=np.int32), np.zeros(n, np.int32), want, keep
+        )
+        return out[0]
+
+    def _piece_bytes(self, token: int) -> bytes:
+        """The raw bytes of a generated token (control tokens render as nothing)."""
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        return buf.raw[: max(n, 0)]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The outcome of ``Engine.generate``."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str  # "stop" (end of generation or a stop string), "length", "cancelled"
+    prefill_s: float
+    decode_s: float
+
+
+def _sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    scaled = logits / temperature
+    probs = np.exp(scaled - scaled.max())
+    if top_p < 1.0:
+        order = np.argsort(-probs)
+        cumulative = np.cumsum(probs[order])
+        keep = order[: int(np.searchsorted(cumulative, top_p * cumulative[-1])) + 1]
+        weights = np.cumsum(probs[keep])
+        return int(keep[np.searchsorted(weights, rng.random() * weights[-1], side="right")])
+    cumulative = np.cumsum(probs)
+    pick = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    return min(pick, len(probs) - 1)
+
+
+def _stop_index(text: str, stops: list[str], since: int) -> int | None:
+    """Where the earliest stop string starts in ``text`` (searching only what is new), if any."""
+    found = [i for s in stops if s and (i := text.find(s, max(0, since - len(s) + 1))) != -1]
+    return min(found) if found else None
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` that could still become a stop string."""
+    held = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:k]):
+                held = k
+                break
+    return held
 
 
 def open_engine(settings: EngineSettings | None = None, model: Path | None = None) -> Engine:

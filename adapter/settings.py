@@ -55,3 +55,122 @@ class EngineSettings(BaseSettings):
             "when a request sets none (results then say probability_status: calibrated)."
         ),
     )
+
+
+class ServerSettings(BaseSettings):
+    """How `arbiter serve` listens and how much work it admits (env prefix ``ARBITER_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="ARBITER_", extra="ignore", populate_by_name=True)
+
+    host: str = Field(default="0.0.0.0", description="Interface to listen on.")
+    port: int = Field(
+        default=8080,
+        ge=1,
+        le=65535,
+        validation_alias=AliasChoices("ARBITER_PORT", "SAGEMAKER_BIND_TO_PORT"),
+        description="Listening port; SageMaker sets SAGEMAKER_BIND_TO_PORT in inference pipelines.",
+    )
+    max_in_flight: int = Field(
+        default=1, ge=1, description="Requests computing at once (the model itself is serialized)."
+    )
+    max_queue: int = Field(
+        default=8, ge=0, description="Requests waiting for a slot; beyond this the answer is 503."
+    )
+    queue_timeout_s: float = Field(
+        default=30.0, gt=0, description="Longest wait for a slot before a 503."
+    )
+    retry_after_s: int = Field(default=1, ge=1, description="Retry-After on a 503, in seconds.")
+    max_body_mb: float = Field(
+        default=6.0, gt=0, description="Largest JSON body (SageMaker real-time sends up to 6 MB)."
+    )
+    max_jsonl_mb: float = Field(
+        default=1024.0,
+        gt=0,
+        description="Largest application/jsonlines body; it is streamed, never held in memory.",
+    )
+    max_decisions: int = Field(
+        default=256, ge=1, description='Decisions in one {"decisions": [...]} request.'
+    )
+    jsonl_chunk: int = Field(
+        default=16, ge=1, description="JSON Lines records scored per engine call."
+    )
+    chat_max_tokens: int = Field(
+        default=256, ge=1, description="Chat completion tokens when the request sets no max_tokens."
+    )
+    batch_max_payload_mb: int = Field(
+        default=6, ge=1, le=100, description="MaxPayloadInMB offered to Batch Transform."
+    )
+    log_json: bool | None = Field(
+        default=None, description="JSON log lines (default: JSON unless stderr is a terminal)."
+    )
+    log_level: str = Field(default="info", description="debug, info, warning or error.")
+
+
+# The stock llama.cpp SageMaker image turns SM_LLAMA_CPP_<X>=v into the llama-server flag
+# --<x lowercased, _ -> -> v ("true": a bare flag). These are the flags that mean something here.
+_SM_ENGINE_FLAGS = {
+    "MODEL": "model",
+    "M": "model",
+    "CTX_SIZE": "n_ctx",
+    "C": "n_ctx",
+    "THREADS": "n_threads",
+    "T": "n_threads",
+    "N_GPU_LAYERS": "n_gpu_layers",
+    "GPU_LAYERS": "n_gpu_layers",
+    "NGL": "n_gpu_layers",
+    "BATCH_SIZE": "n_batch",
+    "B": "n_batch",
+}
+_SM_SERVER_FLAGS = {"PARALLEL": "max_in_flight", "NP": "max_in_flight"}
+_SM_HUB_FLAGS = {"HF_REPO", "HF_FILE", "HF_TOKEN", "HFR", "HFF", "MODEL_URL", "MU"}
+SM_PREFIX = "SM_LLAMA_CPP_"
+
+
+def _sm_value(flag: str, value: str) -> str | None:
+    if flag in {"N_GPU_LAYERS", "GPU_LAYERS", "NGL"}:
+        if value.lower() == "all":
+            return "-1"
+        if value.lower() == "auto":
+            return None  # llama.cpp's own fitting; Arbiter's default (0 or ARBITER_N_GPU_LAYERS)
+    return value
+
+
+def from_environment() -> tuple[EngineSettings, ServerSettings, list[str]]:
+    """Both settings objects, with ``SM_LLAMA_CPP_*`` mapped in below ``ARBITER_*``.
+
+    Returns the unknown ``SM_LLAMA_CPP_*`` names too, for a single warning at start-up. A model hub
+    flag is refused: nothing is ever downloaded.
+    """
+    from adapter.errors import UnsupportedSetting
+
+    env = os.environ
+    engine_kw: dict[str, str] = {}
+    server_kw: dict[str, str] = {}
+    unknown: list[str] = []
+    for name, value in sorted(env.items()):
+        if not name.startswith(SM_PREFIX):
+            continue
+        flag = name[len(SM_PREFIX) :].upper()
+        if flag in _SM_HUB_FLAGS:
+            raise UnsupportedSetting(
+                f"{name} asks for a model hub download (--{flag.lower().replace('_', '-')}); "
+                "Arbiter never downloads models. Ship the .gguf instead: put it in the model "
+                "archive (ModelDataUrl, unpacked to /opt/ml/model), or bake it into the image and "
+                "set ARBITER_MODEL (or SM_LLAMA_CPP_MODEL) to its path",
+                param=name,
+            )
+        if flag in _SM_ENGINE_FLAGS:
+            target, field = engine_kw, _SM_ENGINE_FLAGS[flag]
+        elif flag in _SM_SERVER_FLAGS:
+            target, field = server_kw, _SM_SERVER_FLAGS[flag]
+        else:
+            unknown.append(name)
+            continue
+        mapped = _sm_value(flag, value)
+        if mapped is not None and f"ARBITER_{field.upper()}" not in env:
+            target[field] = mapped
+    server = ServerSettings(**server_kw)  # type: ignore[arg-type]  # strings, validated
+    engine = EngineSettings(**engine_kw)  # type: ignore[arg-type]
+    if "model" in engine_kw and engine.model is not None and not engine.model.is_absolute():
+        engine = engine.model_copy(update={"model": engine.model_dir / engine.model})
+    return engine, server, unknown

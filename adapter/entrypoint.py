@@ -1,0 +1,226 @@
+"""The container entrypoint: check the model and the build, then exec `arbiter serve` or `arbiter work`.
+
+SageMaker starts a hosting container as ``docker run IMAGE serve``; the worker pool's task runs
+``IMAGE work``. The Dockerfiles declare ``ENTRYPOINT ["python", "-m", "adapter.entrypoint"]`` in exec
+form, and this module *replaces itself* (``os.execv``) with the Arbiter command, so the server or the
+pool is the container's PID 1 and receives SIGTERM directly (both install handlers for it: PID 1 gets
+no default signal action from the kernel).
+
+Before the exec, in this order, each failure a one-line reason on stderr and exit status 2:
+
+1. the settings are read as ``arbiter`` will read them (``ARBITER_*``, ``SM_LLAMA_CPP_*``; a model hub
+   flag is refused);
+2. the image default for GPU layers is applied (``ARBITER_IMAGE_N_GPU_LAYERS``: ``-1`` in the CUDA
+   image, ``0`` in the CPU image) unless the deployment set the layers itself;
+3. a GPU layer count on a llama.cpp build without a GPU backend is refused;
+4. when ``ARBITER_MODEL_DATA_URL`` names an ``s3://`` archive and no GGUF is in the model dir, the
+   archive is downloaded and unpacked there (SageMaker does this itself from ``ModelDataUrl``; ECS
+   does not);
+5. the model is resolved exactly as the engine resolves it, and its sha256 checked against the
+   ``model-manifest.json`` beside it.
+
+Runs outside Docker too: ``python -m adapter.entrypoint serve`` (the tests do).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from adapter.errors import ArbiterError, ModelLoadError
+
+COMMANDS = ("serve", "work")
+_GPU_FLAGS = ("N_GPU_LAYERS", "GPU_LAYERS", "NGL")
+
+
+class EntrypointSettings(BaseSettings):
+    """What only the container entrypoint reads (env prefix ``ARBITER_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="ARBITER_", extra="ignore")
+
+    image_n_gpu_layers: int | None = Field(
+        default=None,
+        ge=-1,
+        description="Set by the image: GPU layers when the deployment sets none (CUDA: -1, CPU: 0).",
+    )
+    model_data_url: str | None = Field(
+        default=None,
+        description="s3://bucket/key of a model.tar.gz unpacked into the model dir when it has no "
+        "GGUF (the ECS worker; SageMaker unpacks ModelDataUrl itself).",
+    )
+    preflight_sha256: bool = Field(
+        default=True,
+        description="Hash the model before exec (the engine hashes it again at load: ~1 s per GB).",
+    )
+    entrypoint_exec: str | None = Field(
+        default=None,
+        description="Program exec'd with the command (shell-split); default: this Python running "
+        "`-m adapter.cli`. Tests point it at a stub.",
+    )
+
+
+class Refused(Exception):
+    """The container must not start; the message says why and what to change."""
+
+
+def apply_image_defaults(env: MutableMapping[str, str], image_n_gpu_layers: int | None) -> None:
+    """``ARBITER_N_GPU_LAYERS`` from the image default when neither it nor an explicit
+    ``SM_LLAMA_CPP_N_GPU_LAYERS``-style flag is set (``auto`` counts as unset)."""
+    if image_n_gpu_layers is None or "ARBITER_N_GPU_LAYERS" in env:
+        return
+    for flag in _GPU_FLAGS:
+        value = env.get(f"SM_LLAMA_CPP_{flag}")
+        if value is not None and value.strip().lower() != "auto":
+            return
+    env["ARBITER_N_GPU_LAYERS"] = str(image_n_gpu_layers)
+
+
+def gpu_offload_supported() -> bool:
+    import llama_cpp
+
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+def check_gpu_layers(
+    n_gpu_layers: int, supported: Callable[[], bool] = gpu_offload_supported
+) -> None:
+    if n_gpu_layers != 0 and not supported():
+        raise Refused(
+            f"n_gpu_layers={n_gpu_layers} (ARBITER_N_GPU_LAYERS or SM_LLAMA_CPP_N_GPU_LAYERS) asks "
+            "for GPU offload, but this image's llama.cpp was built without a GPU backend. Use the "
+            "CUDA image (container/Dockerfile.cuda) on a GPU instance, or set "
+            "ARBITER_N_GPU_LAYERS=0 to run on the CPU."
+        )
+
+
+def _split_s3(url: str) -> tuple[str, str]:
+    parts = urlsplit(url)
+    if parts.scheme != "s3" or not parts.netloc or not parts.path.strip("/"):
+        raise Refused(f"ARBITER_MODEL_DATA_URL={url!r} is not an s3://bucket/key URL")
+    return parts.netloc, parts.path.lstrip("/")
+
+
+def fetch_model_archive(url: str, model_dir: Path, client: Any | None = None) -> list[str]:
+    """Download ``s3://bucket/key.tar.gz`` and unpack it into ``model_dir`` (as SageMaker would).
+
+    The archive is streamed to a temporary file beside the model dir, then extracted with tarfile's
+    ``data`` filter (no absolute paths, no ``..``, no links out of the dir, no devices).
+    """
+    bucket, key = _split_s3(url)
+    if client is None:
+        import botocore.session
+
+        endpoint = os.environ.get("ARBITER_AWS_ENDPOINT_URL") or None
+        client = botocore.session.get_session().create_client("s3", endpoint_url=endpoint)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        response = client.get_object(Bucket=bucket, Key=key)
+    except Exception as exc:  # botocore's ClientError and connection errors alike
+        raise Refused(f"cannot download the model archive {url}: {exc}") from exc
+    with tempfile.NamedTemporaryFile(dir=model_dir, prefix=".model-", suffix=".tar.gz") as tmp:
+        for chunk in response["Body"].iter_chunks(8 * 1024 * 1024):
+            tmp.write(chunk)
+        tmp.flush()
+        try:
+            with tarfile.open(tmp.name, mode="r:gz") as tar:
+                names = tar.getnames()
+                tar.extractall(model_dir, filter="data")
+        except (tarfile.TarError, OSError) as exc:
+            raise Refused(f"{url} is not a usable model.tar.gz: {exc}") from exc
+    return names
+
+
+def preflight(
+    command: str,
+    settings: EntrypointSettings,
+    *,
+    gpu_supported: Callable[[], bool] = gpu_offload_supported,
+    s3_client: Any | None = None,
+) -> dict[str, Any]:
+    """Everything checked before the exec, on ``os.environ`` (which the exec passes on, image
+    defaults applied); returns what was found, logged as one JSON line."""
+    from adapter.model_files import _find_in_dir, resolve_model, verify
+    from adapter.settings import from_environment
+
+    apply_image_defaults(os.environ, settings.image_n_gpu_layers)
+    try:
+        engine, server, unknown = from_environment()
+    except ArbiterError as exc:
+        raise Refused(exc.message) from exc
+    except ValueError as exc:  # pydantic's ValidationError
+        raise Refused(f"invalid setting: {exc}") from exc
+    check_gpu_layers(engine.n_gpu_layers, gpu_supported)
+
+    fetched: list[str] | None = None
+    if settings.model_data_url and engine.model is None and _find_in_dir(engine.model_dir) is None:
+        fetched = fetch_model_archive(settings.model_data_url, engine.model_dir, s3_client)
+    try:
+        resolved = resolve_model(engine.model, engine.model_dir)
+        sha256 = verify(resolved) if settings.preflight_sha256 else None
+    except ModelLoadError as exc:
+        raise Refused(exc.message) from exc
+    return {
+        "event": "entrypoint_preflight",
+        "command": command,
+        "model": str(resolved.path),
+        "model_source": resolved.source,
+        "manifest": resolved.expected_sha256 is not None,
+        "sha256": sha256,
+        "n_gpu_layers": engine.n_gpu_layers,
+        "max_in_flight": server.max_in_flight,
+        "fetched": fetched,
+        "unknown_sm_settings": unknown,
+    }
+
+
+def exec_argv(command: str, args: Sequence[str], override: str | None) -> list[str]:
+    program = shlex.split(override) if override else [sys.executable, "-m", "adapter.cli"]
+    return [*program, command, *args]
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    execvpe: Callable[[str, list[str], Mapping[str, str]], Any] = os.execvpe,
+    gpu_supported: Callable[[], bool] = gpu_offload_supported,
+    s3_client: Any | None = None,
+) -> int:
+    """Check, then replace this process with ``arbiter COMMAND ARGS...``; returns only on a
+    refusal (status 2) or when ``execvpe`` is a test stub."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        got = repr(argv[0]) if argv else "nothing"
+        print(
+            f"arbiter entrypoint: expected one of {', '.join(COMMANDS)} (got {got}). "
+            "SageMaker runs `IMAGE serve`; the worker pool runs `IMAGE work`.",
+            file=sys.stderr,
+        )
+        return 2
+    command, rest = argv[0], argv[1:]
+    try:
+        settings = EntrypointSettings()
+        report = preflight(command, settings, gpu_supported=gpu_supported, s3_client=s3_client)
+    except (Refused, ValueError) as exc:
+        print(f"arbiter entrypoint: refusing to start `{command}`: {exc}", file=sys.stderr)
+        return 2
+    target = exec_argv(command, rest, settings.entrypoint_exec)
+    report["exec"] = target
+    print(json.dumps(report), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    execvpe(target[0], target, dict(os.environ))
+    return 0  # only reached with a stub execve
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
