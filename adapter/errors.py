@@ -79,3 +79,62 @@ class EngineFailure(ArbiterError):
     """llama.cpp reported an error while computing (not the caller's fault)."""
 
     code = "engine_failure"
+
+
+class PayloadTooLarge(ArbiterError):
+    """The body (or one JSON Lines record) is over the configured limit."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(ArbiterError):
+    """A ``Content-Type`` the route does not read."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class NotFound(ArbiterError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(ArbiterError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class Unavailable(ArbiterError):
+    """503: try again later. ``retry_after`` (seconds) becomes the ``Retry-After`` header."""
+
+    status = 503
+    type = "overloaded_error"
+    code = "unavailable"
+    retryable = True
+
+    def __init__(self, message: str, *, retry_after: int = 1, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.retry_after = retry_after
+
+
+class ServerBusy(Unavailable):
+    """Every in-flight slot is busy and the wait queue is full (or the wait timed out)."""
+
+    code = "server_busy"
+
+
+class ModelNotReady(Unavailable):
+    """The model is still loading."""
+
+    code = "model_not_ready"
+
+
+class UnsupportedSetting(ModelLoadError):
+    """A configuration the container refuses at start-up (e.g. a model hub download)."""
+
+    code = "unsupported_setting"

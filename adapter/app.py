@@ -1,0 +1,718 @@
+"""The HTTP service: a SageMaker inference container and a local decision API (aiohttp).
+
+``create_app(settings, engine_factory)`` builds the app; the engine is loaded in a thread at start-up
+(``/ping`` answers 503 until it is ready) and every model call runs off the event loop through the
+admission control (``adapter.admission``). Errors become ``{"error": {...}}`` in one middleware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+from prometheus_client.aiohttp import make_aiohttp_handler
+from pydantic import ValidationError
+
+from adapter import chat
+from adapter.admission import Admission, Slot
+from adapter.cli import parse_decision_line, validation_error
+from adapter.engine import Engine, Generation
+from adapter.errors import (
+    ArbiterError,
+    ContextLengthExceeded,
+    InvalidDecision,
+    MalformedRequest,
+    MethodNotAllowed,
+    ModelNotReady,
+    NotFound,
+    PayloadTooLarge,
+    Unavailable,
+    UnsupportedMediaType,
+)
+from adapter.logging import get_logger, request_id
+from adapter.metrics import Metrics
+from adapter.schema import DecisionRequest, DecisionResult
+from adapter.settings import ServerSettings
+
+OPENAPI_PATH = Path(__file__).with_name("openapi.json")
+CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
+JSON_TYPES = {"application/json", "text/json"}
+JSONL_TYPES = {
+    "application/jsonlines",
+    "application/jsonl",
+    "application/x-jsonlines",
+    "application/json-lines",
+    "application/x-ndjson",
+}
+MB = 1024 * 1024
+
+log = get_logger("arbiter.http")
+
+
+class EngineHolder:
+    """Owns the engine's lifetime: loaded in a thread at start-up, closed at shutdown."""
+
+    def __init__(self, factory: Callable[[], Engine]) -> None:
+        self._factory = factory
+        self.engine: Engine | None = None
+        self.error: BaseException | None = None
+        self.loaded = asyncio.Event()
+
+    async def load(self) -> None:
+        started = time.perf_counter()
+        try:
+            self.engine = await asyncio.to_thread(self._factory)
+        except Exception as exc:
+            self.error = exc
+            log.error("model_load_failed", error=str(exc), exc_info=True)
+        else:
+            log.info(
+                "model_loaded",
+                model=self.engine.model_info.file,
+                seconds=round(time.perf_counter() - started, 3),
+            )
+        finally:
+            self.loaded.set()
+
+    def require(self) -> Engine:
+        if self.engine is not None:
+            return self.engine
+        if self.error is not None:
+            raise (
+                self.error
+                if isinstance(self.error, ArbiterError)
+                else ArbiterError(f"the model failed to load: {self.error}")
+            )
+        raise ModelNotReady("the model is still loading; retry shortly", retry_after=1)
+
+
+@dataclass
+class State:
+    settings: ServerSettings
+    holder: EngineHolder
+    admission: Admission
+    metrics: Metrics
+    openapi: bytes
+
+
+@dataclass
+class RequestLog:
+    """What one request did, for its log line and metrics (filled in by the handler)."""
+
+    kind: str = "-"
+    decisions: int = 0
+    tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+STATE = web.AppKey("state", State)
+CLOSE_ENGINE = web.AppKey("close_engine", bool)
+REQUEST_LOG = web.RequestKey("request_log", RequestLog)
+
+
+# -- errors, headers, logging --------------------------------------------------------------------
+
+
+def error_response(error: ArbiterError) -> web.Response:
+    headers = {}
+    if isinstance(error, Unavailable):
+        headers["Retry-After"] = str(error.retry_after)
+    return web.json_response({"error": error.to_dict()}, status=error.status, headers=headers)
+
+
+def _from_http(exc: web.HTTPException) -> ArbiterError:
+    reason = exc.text or exc.reason
+    if exc.status == 404:
+        return NotFound(f"no route {reason}" if reason == "Not Found" else reason)
+    if exc.status == 405:
+        return MethodNotAllowed(reason)
+    if exc.status == 413:
+        return PayloadTooLarge(reason)
+    if exc.status == 400:
+        return MalformedRequest(reason)
+    generic = ArbiterError(reason)
+    generic.status = exc.status  # type: ignore[misc]
+    return generic
+
+
+def _route(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Request id and log context, the one error mapping, the request's metrics and log line."""
+    state = request.app[STATE]
+    route = _route(request)
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(
+        request_id=request_id(
+            request.headers.get(CUSTOM_ATTRIBUTES),
+            request.headers.get("X-Amzn-SageMaker-Inference-Id"),
+        ),
+        route=route,
+    )
+    info = request[REQUEST_LOG] = RequestLog()
+    started = time.perf_counter()
+    try:
+        response = await handler(request)
+    except ArbiterError as exc:
+        response = error_response(exc)
+    except web.HTTPException as exc:
+        response = error_response(_from_http(exc))
+    except asyncio.CancelledError:
+        _finish(state, info, route, 499, started, "client_gone")
+        raise
+    except Exception as exc:
+        log.error("internal_error", error=repr(exc), trace=traceback.format_exc())
+        response = error_response(ArbiterError("internal error; see the server log"))
+    _finish(state, info, route, response.status, started)
+    return response
+
+
+def _finish(
+    state: State,
+    info: RequestLog,
+    route: str,
+    status: int,
+    started: float,
+    event: str = "request",
+) -> None:
+    seconds = time.perf_counter() - started
+    state.metrics.requests.labels(route, info.kind, str(status)).inc()
+    state.metrics.request_seconds.labels(route, info.kind).observe(seconds)
+    if route in ("/ping", "/metrics"):
+        return  # polled constantly; counted, not logged
+    log.info(
+        event,
+        status=status,
+        kind=info.kind,
+        decisions=info.decisions,
+        tokens=info.tokens,
+        seconds=round(seconds, 4),
+        **info.extra,
+    )
+
+
+async def _on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    # Every response, streamed ones included, echoes the custom attributes (SageMaker passes the
+    # container's value back to the caller) and names the request id used in the logs.
+    attributes = request.headers.get(CUSTOM_ATTRIBUTES)
+    if attributes is not None:
+        response.headers[CUSTOM_ATTRIBUTES] = attributes
+    rid = structlog.contextvars.get_contextvars().get("request_id")
+    if rid:
+        response.headers["X-Request-Id"] = rid
+
+
+# -- small routes ------------------------------------------------------------------------------
+
+
+async def ping(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.holder.require()
+    return web.json_response({"status": "ok"})
+
+
+async def execution_parameters(request: web.Request) -> web.Response:
+    s = request.app[STATE].settings
+    return web.json_response(
+        {
+            "MaxConcurrentTransforms": s.max_in_flight,
+            "BatchStrategy": "MULTI_RECORD",
+            "MaxPayloadInMB": s.batch_max_payload_mb,
+        }
+    )
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = request.app[STATE].holder.require()
+    info = engine.model_info
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": info.file,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "arbiter",
+                    "meta": info.model_dump(),
+                }
+            ],
+        }
+    )
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[STATE].openapi, content_type="application/json")
+
+
+# -- /invocations ------------------------------------------------------------------------------
+
+
+async def invocations(request: web.Request) -> web.StreamResponse:
+    """Dispatch on the content type, then on the body: decision, decisions or messages."""
+    state = request.app[STATE]
+    if request.content_type in JSONL_TYPES:
+        request[REQUEST_LOG].kind = "jsonlines"
+        return await _jsonlines(request, state)
+    _require_json(request)
+    body = await request.read()
+    raw = await asyncio.to_thread(_parse_json, body)
+    if not isinstance(raw, dict):
+        raise InvalidDecision(
+            "the body must be a JSON object with one of: decision, decisions, messages",
+            code="invalid_type",
+        )
+    kinds = [key for key in ("decision", "decisions", "messages") if key in raw]
+    if len(kinds) != 1:
+        raise InvalidDecision(
+            "the body must have exactly one of: decision, decisions, messages"
+            + (f" (found {', '.join(kinds)})" if kinds else ""),
+            param=None,
+            code="unknown_request_shape",
+        )
+    request[REQUEST_LOG].kind = kinds[0]
+    if kinds[0] == "decision":
+        return await _single(request, state, raw)
+    if kinds[0] == "decisions":
+        return await _many(request, state, raw)
+    return await _chat(request, state, raw)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    _require_json(request)
+    raw = await asyncio.to_thread(_parse_json, await request.read())
+    if not isinstance(raw, dict):
+        raise InvalidDecision("the body must be a JSON object", code="invalid_type")
+    request[REQUEST_LOG].kind = "messages"
+    return await _chat(request, state, raw)
+
+
+def _require_json(request: web.Request) -> None:
+    if "Content-Type" not in request.headers:
+        return  # curl -d without -H, or a client that omits it: read as JSON
+    ctype = request.content_type
+    if ctype in JSON_TYPES or ctype.endswith("+json"):
+        return
+    raise UnsupportedMediaType(
+        f"Content-Type {ctype!r} is not supported here; send application/json "
+        "(or application/jsonlines to /invocations)",
+        param="Content-Type",
+    )
+
+
+def _parse_json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MalformedRequest(f"the body is not valid JSON: {exc}") from exc
+
+
+def _validate(raw: Any, prefix: str) -> DecisionRequest:
+    if not isinstance(raw, dict):
+        raise InvalidDecision(f"{prefix} must be a JSON object", param=prefix, code="invalid_type")
+    try:
+        return DecisionRequest.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error(exc, prefix) from exc
+
+
+def _dumps(body: Any) -> bytes:
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+async def _single(request: web.Request, state: State, raw: dict[str, Any]) -> web.Response:
+    decision = _validate(raw["decision"], "decision")
+    engine = state.holder.require()
+    request[REQUEST_LOG].decisions = 1
+
+    def work() -> tuple[DecisionResult | ArbiterError, bytes]:
+        outcome = engine.score([decision])[0]
+        state.metrics.observe_decision(outcome)
+        if isinstance(outcome, ArbiterError):
+            return outcome, b""
+        return outcome, _dumps({"result": outcome.model_dump()})
+
+    async with state.admission.slot() as slot:
+        outcome, body = await slot.run(work)
+    if isinstance(outcome, ArbiterError):
+        raise outcome.with_param_prefix("decision")
+    request[REQUEST_LOG].tokens = outcome.prompt.input_tokens
+    return web.Response(body=body, content_type="application/json")
+
+
+def _validate_many(raw: Any, limit: int) -> list[DecisionRequest]:
+    if not isinstance(raw, list) or not 1 <= len(raw) <= limit:
+        raise InvalidDecision(
+            f"decisions must be an array of 1 to {limit} decisions (ARBITER_MAX_DECISIONS)",
+            param="decisions",
+            code="invalid_batch_size",
+        )
+    decisions = [_validate(item, f"decisions.{i}") for i, item in enumerate(raw)]
+    seen: set[str] = set()
+    for i, decision in enumerate(decisions):
+        if decision.id in seen:
+            raise InvalidDecision(
+                f"decisions.{i}.id: duplicate id {decision.id!r}; ids must be unique in a request",
+                param=f"decisions.{i}.id",
+                code="duplicate_id",
+            )
+        seen.add(decision.id)
+    return decisions
+
+
+async def _many(request: web.Request, state: State, raw: dict[str, Any]) -> web.Response:
+    arrived = time.perf_counter()
+    decisions = await asyncio.to_thread(
+        _validate_many, raw["decisions"], state.settings.max_decisions
+    )
+    engine = state.holder.require()
+    request[REQUEST_LOG].decisions = len(decisions)
+
+    def work() -> tuple[list[DecisionResult | ArbiterError], float]:
+        started = time.perf_counter()
+        outcomes = engine.score(decisions)
+        for outcome in outcomes:
+            state.metrics.observe_decision(outcome)
+        return outcomes, time.perf_counter() - started
+
+    async with state.admission.slot() as slot:
+        admitted = time.perf_counter()
+        outcomes, engine_s = await slot.run(work)
+    failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, ArbiterError)]
+    if len(failed) == len(outcomes):
+        index, first = failed[0]
+        raise first.with_param_prefix(f"decisions.{index}")
+    request[REQUEST_LOG].tokens = sum(
+        o.prompt.input_tokens for o in outcomes if isinstance(o, DecisionResult)
+    )
+    results = [
+        {"id": d.id, "error": o.with_param_prefix(f"decisions.{i}").to_dict()}
+        if isinstance(o, ArbiterError)
+        else o.model_dump()
+        for i, (d, o) in enumerate(zip(decisions, outcomes, strict=True))
+    ]
+    timing = {
+        "decisions": len(decisions),
+        "failed": len(failed),
+        "queue_s": admitted - arrived,
+        "engine_s": engine_s,
+        "total_s": time.perf_counter() - arrived,
+    }
+    body = await asyncio.to_thread(_dumps, {"results": results, "timing": timing})
+    return web.Response(body=body, content_type="application/json")
+
+
+# -- JSON Lines --------------------------------------------------------------------------------
+
+
+async def _lines(stream: Any, max_line: int, max_total: int) -> AsyncIterator[bytes | ArbiterError]:
+    """Lines of a streamed body without holding it: an over-long line becomes its error."""
+    buf = bytearray()
+    skipping = False
+    total = 0
+    too_long = PayloadTooLarge
+    async for data in stream.iter_any():
+        total += len(data)
+        if total > max_total:
+            raise PayloadTooLarge(f"the body is over {max_total // MB} MB (ARBITER_MAX_JSONL_MB)")
+        start = 0
+        while (end := data.find(b"\n", start)) != -1:
+            if skipping or len(buf) + end - start > max_line:
+                yield too_long(f"the line is over {max_line // MB} MB (ARBITER_MAX_BODY_MB)")
+            else:
+                buf += data[start:end]
+                yield bytes(buf)
+            buf.clear()
+            skipping = False
+            start = end + 1
+        if not skipping:
+            buf += data[start:]
+            if len(buf) > max_line:
+                buf.clear()
+                skipping = True
+    if skipping:
+        yield too_long(f"the line is over {max_line // MB} MB (ARBITER_MAX_BODY_MB)")
+    elif buf.strip():
+        yield bytes(buf)
+
+
+def _score_lines(
+    engine: Engine, metrics: Metrics, batch: list[tuple[int, bytes | ArbiterError]]
+) -> tuple[bytes, int, int]:
+    """Parse, score and serialize one chunk of lines: one output line per input line."""
+    parsed: list[tuple[int, DecisionRequest | ArbiterError, Any]] = []
+    for number, line in batch:
+        if isinstance(line, ArbiterError):
+            parsed.append((number, line, None))
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            parsed.append((number, MalformedRequest("the line is not valid UTF-8"), None))
+            continue
+        try:
+            decision = parse_decision_line(text)
+            parsed.append((number, decision, decision.id))
+        except ArbiterError as exc:
+            parsed.append((number, exc, _raw_id(text)))
+    outcomes = iter(engine.score([d for _, d, _ in parsed if isinstance(d, DecisionRequest)]))
+    out: list[str] = []
+    tokens = 0
+    for number, item, rid in parsed:
+        outcome = next(outcomes) if isinstance(item, DecisionRequest) else item
+        metrics.observe_decision(outcome)
+        if isinstance(outcome, ArbiterError):
+            record = {"line": number, "id": rid, "error": outcome.to_dict()}
+        else:
+            tokens += outcome.prompt.input_tokens
+            record = {"line": number, "id": rid, "result": outcome.model_dump()}
+        out.append(json.dumps(record, ensure_ascii=False))
+    return ("\n".join(out) + "\n").encode(), len(parsed), tokens
+
+
+def _raw_id(text: str) -> Any:
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return raw.get("id") if isinstance(raw, dict) else None
+
+
+async def _jsonlines(request: web.Request, state: State) -> web.StreamResponse:
+    """One decision per line in, one result or error per line out, streamed both ways."""
+    s = state.settings
+    max_total = int(s.max_jsonl_mb * MB)
+    if request.content_length is not None and request.content_length > max_total:
+        raise PayloadTooLarge(f"the body is over {s.max_jsonl_mb:g} MB (ARBITER_MAX_JSONL_MB)")
+    engine = state.holder.require()
+    info = request[REQUEST_LOG]
+    response = web.StreamResponse(headers={"Content-Type": "application/jsonlines"})
+    async with state.admission.slot() as slot:
+        batch: list[tuple[int, bytes | ArbiterError]] = []
+        number = 0
+        try:
+            async for line in _lines(request.content, int(s.max_body_mb * MB), max_total):
+                number += 1
+                if isinstance(line, bytes) and not line.strip():
+                    continue  # blank lines carry no record (as in `arbiter decide`)
+                batch.append((number, line))
+                if len(batch) >= s.jsonl_chunk:
+                    await _flush(request, response, state, engine, slot, batch, info)
+                    batch = []
+        except PayloadTooLarge as exc:
+            if not response.prepared:
+                raise
+            await response.write(_dumps({"line": number + 1, "id": None, "error": exc.to_dict()}))
+            await response.write_eof()
+            return response
+        if batch:
+            await _flush(request, response, state, engine, slot, batch, info)
+        if not response.prepared:
+            await response.prepare(request)
+        await response.write_eof()
+    return response
+
+
+async def _flush(
+    request: web.Request,
+    response: web.StreamResponse,
+    state: State,
+    engine: Engine,
+    slot: Slot,
+    batch: list[tuple[int, bytes | ArbiterError]],
+    info: RequestLog,
+) -> None:
+    body, count, tokens = await slot.run(_score_lines, engine, state.metrics, batch)
+    info.decisions += count
+    info.tokens += tokens
+    if not response.prepared:
+        await response.prepare(request)
+    await response.write(body)
+
+
+# -- chat completions --------------------------------------------------------------------------
+
+
+async def _chat(request: web.Request, state: State, raw: dict[str, Any]) -> web.StreamResponse:
+    try:
+        chat_request = chat.ChatCompletionRequest.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error(exc) from exc
+    engine = state.holder.require()
+    segments = chat.render(
+        chat_request.messages, engine.chat_template, engine.bos_text, engine.eos_text
+    )
+    tokens = await asyncio.to_thread(engine.encode_segments, segments)
+    if len(tokens) >= engine.n_ctx:
+        raise ContextLengthExceeded(
+            f"the messages are {len(tokens)} tokens; the context holds {engine.n_ctx} tokens",
+            param="messages",
+        )
+    stops = chat_request.stops + ([] if engine.chat_template else chat.PLAIN_STOPS)
+    options = {
+        "max_tokens": chat_request.token_limit(state.settings.chat_max_tokens),
+        "temperature": chat_request.temperature,
+        "top_p": chat_request.top_p,
+        "stop": stops,
+        "seed": chat_request.seed,
+    }
+    model = chat_request.model or engine.model_info.file
+    info = request[REQUEST_LOG]
+    async with state.admission.slot() as slot:
+        if chat_request.stream:
+            usage = bool(chat_request.stream_options and chat_request.stream_options.include_usage)
+            return await _stream_chat(request, state, slot, engine, tokens, options, model, usage)
+        generation: Generation = await slot.run(lambda: engine.generate(tokens, **options))
+    _observe_generation(state, info, generation)
+    body = chat.completion(
+        chat.completion_id(),
+        model,
+        generation.text,
+        generation.finish_reason,
+        generation.prompt_tokens,
+        generation.completion_tokens,
+    )
+    return web.json_response(body)
+
+
+def _observe_generation(state: State, info: RequestLog, generation: Generation) -> None:
+    info.tokens = generation.prompt_tokens + generation.completion_tokens
+    info.extra["finish_reason"] = generation.finish_reason
+    state.metrics.prompt_tokens.observe(generation.prompt_tokens)
+    state.metrics.prefill_seconds.observe(generation.prefill_s)
+    state.metrics.completion_tokens.inc(generation.completion_tokens)
+
+
+_DONE = object()
+
+
+async def _stream_chat(
+    request: web.Request,
+    state: State,
+    slot: Slot,
+    engine: Engine,
+    tokens: Any,
+    options: dict[str, Any],
+    model: str,
+    include_usage: bool,
+) -> web.StreamResponse:
+    """Server-sent events: a role chunk, content chunks as text becomes final, a finish chunk."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    stopped = threading.Event()
+
+    def on_text(text: str) -> bool:
+        if stopped.is_set():
+            return False
+        loop.call_soon_threadsafe(queue.put_nowait, text)
+        return True
+
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    cid = chat.completion_id()
+    future = slot.start(lambda: engine.generate(tokens, on_text=on_text, **options))
+    future.add_done_callback(lambda _: queue.put_nowait(_DONE))
+    try:
+        await response.write(chat.sse(chat.chunk(cid, model, {"role": "assistant", "content": ""})))
+        while (item := await queue.get()) is not _DONE:
+            await response.write(chat.sse(chat.chunk(cid, model, {"content": item})))
+        try:
+            generation = future.result()
+        except ArbiterError as exc:
+            await response.write(chat.sse({"error": exc.to_dict()}))
+        else:
+            _observe_generation(state, request[REQUEST_LOG], generation)
+            await response.write(chat.sse(chat.chunk(cid, model, {}, generation.finish_reason)))
+            if include_usage:
+                counts = chat.usage(generation.prompt_tokens, generation.completion_tokens)
+                await response.write(
+                    chat.sse(chat.chunk(cid, model, {}, None, counts, choices=False))
+                )
+        await response.write(chat.sse("[DONE]"))
+        await response.write_eof()
+    finally:
+        stopped.set()  # a client that went away stops the generation at its next token
+    return response
+
+
+# -- factory -----------------------------------------------------------------------------------
+
+
+def create_app(
+    settings: ServerSettings | None = None,
+    engine_factory: Callable[[], Engine] | None = None,
+    metrics: Metrics | None = None,
+    *,
+    close_engine: bool = True,
+) -> web.Application:
+    """The aiohttp app. ``engine_factory`` builds the engine (in a thread, at start-up); the app
+    closes it at shutdown unless ``close_engine`` is False (an engine shared across apps)."""
+    settings = settings or ServerSettings()
+    if engine_factory is None:
+        from adapter.engine import open_engine
+
+        engine_factory = open_engine
+    metrics = metrics or Metrics()
+    admission = Admission(
+        settings.max_in_flight,
+        settings.max_queue,
+        settings.queue_timeout_s,
+        settings.retry_after_s,
+        on_reject=lambda reason: metrics.rejected.labels(reason).inc(),
+    )
+    metrics.in_flight.set_function(lambda: admission.in_flight)
+    metrics.queued.set_function(lambda: admission.queued)
+    state = State(
+        settings=settings,
+        holder=EngineHolder(engine_factory),
+        admission=admission,
+        metrics=metrics,
+        openapi=OPENAPI_PATH.read_bytes(),
+    )
+    app = web.Application(middlewares=[middleware], client_max_size=int(settings.max_body_mb * MB))
+    app[STATE] = state
+    app[CLOSE_ENGINE] = close_engine
+    app.on_response_prepare.append(_on_prepare)
+    app.cleanup_ctx.append(_engine_lifetime)
+    app.router.add_get("/ping", ping)
+    app.router.add_post("/invocations", invocations)
+    app.router.add_get("/execution-parameters", execution_parameters)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", make_aiohttp_handler(registry=metrics.registry))
+    app.router.add_get("/openapi.json", openapi)
+    return app
+
+
+async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+
+    async def load() -> None:
+        await state.holder.load()
+        if state.holder.engine is not None:
+            state.metrics.set_model(state.holder.engine.model_info)
+
+    task = asyncio.create_task(load())
+    yield
+    await task  # a load still running finishes before the engine can be closed
+    engine = state.holder.engine
+    if engine is not None:
+        state.metrics.model_ready.set(0)
+        if app[CLOSE_ENGINE]:
+            await asyncio.to_thread(engine.close)
