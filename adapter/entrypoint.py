@@ -89,6 +89,9 @@ def apply_image_defaults(env: MutableMapping[str, str], image_n_gpu_layers: int 
 def gpu_offload_supported() -> bool:
     import llama_cpp
 
+    from adapter.ggml_backends import load_backends
+
+    load_backends()  # a GGML_BACKEND_DL build reports no GPU until its backends are loaded
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
