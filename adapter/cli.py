@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     from adapter.evaluation import register as register_eval_commands  # eval, calibrate
 
     register_eval_commands(sub)
+    from bench.all_bench import register as register_bench_all  # bench all
+
+    register_bench_all(bench_sub)
     from adapter.serve import register as register_serve_commands  # serve, bench http
 
     register_serve_commands(sub, bench_sub)

@@ -1,0 +1,383 @@
+"""`arbiter bench all`: every benchmark in one run, as one Markdown report and one JSON file.
+
+1. The suites other modules register under `arbiter bench` (engine, http, worker), each run as its
+   own process (``arbiter bench <suite> --json``) so one suite's memory and threads never skew
+   another's; their JSON is kept as printed and the last line (their summary) goes into the table.
+2. Decision vs generation: the same labeled decisions answered by generating the answer letter
+   (``Engine.generate``, greedy, ``max_tokens`` 2, the first A-Z letter parsed) vs the decision path:
+   latency ratio and agreement. Only when the engine has ``generate``.
+3. llama-cpp-python's own OpenAI-compatible server (``python -m llama_cpp.server`` on 127.0.0.1)
+   used as a decision engine: ``/v1/completions`` on Arbiter's exact prompt text, ``max_tokens=1``,
+   ``logprobs=20``; letters are read from the top log-probabilities (both spellings, "A" and " A",
+   combined by log-sum-exp, missing letters count as -inf). Same model, same decisions, requests
+   interleaved with Arbiter's: latency ratio (Arbiter in-process vs the server over loopback HTTP,
+   so the server's figure includes its HTTP round trip) and agreement of the chosen option.
+4. typed-gguf: only reported as present or not; its client is not implemented here.
+
+``--n-gpu-layers`` is passed to every part (``ARBITER_N_GPU_LAYERS`` for the suites, the engine
+settings, ``--n_gpu_layers`` for the llama-cpp-python server), so a GPU machine produces the same
+report to set beside the CPU one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adapter.schema import DecisionRequest, DecisionResult
+
+ROOT = Path(__file__).resolve().parent.parent
+LABELED = ROOT / "examples" / "labeled.jsonl"
+SUITES = ("engine", "http", "worker")
+LETTERS = [chr(ord("A") + i) for i in range(26)]
+
+
+# -- the registered suites ---------------------------------------------------------------------
+
+
+def available_suites() -> list[str]:
+    """Suites that have a module here (``bench/<suite>_bench.py``)."""
+    return [s for s in SUITES if (ROOT / "bench" / f"{s}_bench.py").exists()]
+
+
+def run_suite(suite: str, n_gpu_layers: int | None, timeout_s: float) -> dict[str, Any]:
+    env = dict(os.environ)
+    if n_gpu_layers is not None:
+        env["ARBITER_N_GPU_LAYERS"] = str(n_gpu_layers)
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "adapter.cli", "bench", suite, "--json"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return {"suite": suite, "ok": False, "error": f"timed out after {timeout_s:.0f} s"}
+    parsed = []
+    for line in proc.stdout.splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            parsed.append(json.loads(line))
+    out: dict[str, Any] = {
+        "suite": suite,
+        "ok": proc.returncode == 0 and bool(parsed),
+        "seconds": time.perf_counter() - started,
+        "json": parsed,
+        "summary": parsed[-1] if parsed and isinstance(parsed[-1], dict) else None,
+    }
+    if not out["ok"]:
+        out["error"] = (proc.stderr or proc.stdout)[-2000:]
+    return out
+
+
+# -- labeled decisions -------------------------------------------------------------------------
+
+
+def load_decisions(path: Path, limit: int | None) -> tuple[list[DecisionRequest], list[str]]:
+    from adapter.eval_tasks import load
+
+    items = load([path])[: limit or None]
+    return [i.request for i in items], [i.label for i in items]
+
+
+def parse_letter(text: str, n_options: int) -> int | None:
+    """The first A..(n-th letter) in generated text, as an option index."""
+    for ch in text.strip():
+        if ch in LETTERS[:n_options]:
+            return LETTERS.index(ch)
+        if ch.isalnum():
+            return None
+    return None
+
+
+def _ok(outcome: object) -> DecisionResult:
+    if not isinstance(outcome, DecisionResult):
+        raise RuntimeError(f"the engine failed a benchmark decision: {outcome}")
+    return outcome
+
+
+def _p(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values) * 1000.0, q))
+
+
+def _latency_pair(ours: list[float], theirs: list[float]) -> dict[str, float]:
+    return {
+        "arbiter_p50_ms": _p(ours, 50),
+        "arbiter_p95_ms": _p(ours, 95),
+        "other_p50_ms": _p(theirs, 50),
+        "other_p95_ms": _p(theirs, 95),
+        "p50_ratio": _p(theirs, 50) / _p(ours, 50),
+        "p95_ratio": _p(theirs, 95) / _p(ours, 95),
+    }
+
+
+def decision_vs_generation(engine: Any, requests: list[DecisionRequest]) -> dict[str, Any]:
+    """The decision path vs generating the letter on the same prompt tokens."""
+    if not hasattr(engine, "generate"):
+        return {"skipped": "the engine has no generate method"}
+    ours, theirs, agree, parsed = [], [], 0, 0
+    engine.score(requests[:1])
+    for request in requests:
+        engine.cache.clear()
+        started = time.perf_counter()
+        result = _ok(engine.score([request])[0])
+        ours.append(time.perf_counter() - started)
+        tokens = engine.prompt_tokens(request)
+        started = time.perf_counter()
+        generation = engine.generate(tokens, max_tokens=2, temperature=0.0)
+        theirs.append(time.perf_counter() - started)
+        index = parse_letter(generation.text, len(request.options))
+        if index is not None:
+            parsed += 1
+            agree += request.options[index].id == result.choice
+    return {
+        "decisions": len(requests),
+        "parsed": parsed,
+        "agreement": agree / len(requests),
+        **_latency_pair(ours, theirs),
+    }
+
+
+# -- llama-cpp-python's server -----------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def lcp_server(
+    model: Path, threads: int, n_ctx: int, n_gpu_layers: int, log: Path
+) -> Iterator[str]:
+    """``python -m llama_cpp.server`` on loopback; stopped by its own pid on exit."""
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        str(n_ctx),
+        "--n_threads",
+        str(threads),
+        "--n_threads_batch",
+        str(threads),
+        "--n_gpu_layers",
+        str(n_gpu_layers),
+    ]
+    with log.open("w") as handle:
+        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama_cpp.server exited ({proc.returncode}); see {log}")
+            try:
+                with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"llama_cpp.server did not start; see {log}") from None
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def letters_from_top_logprobs(top: dict[str, float], n_options: int) -> list[float]:
+    """Per option letter, log-sum-exp of its spellings ("A", " A") among the top log-probs."""
+    out = []
+    for letter in LETTERS[:n_options]:
+        found = [v for k, v in top.items() if k.strip() == letter and k in (letter, " " + letter)]
+        out.append(float(np.logaddexp.reduce(found)) if found else -math.inf)
+    return out
+
+
+def lcp_decide(url: str, prompt: str, n_options: int) -> list[float]:
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": 20}
+    req = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as response:
+        raw = json.loads(response.read())
+    top = raw["choices"][0]["logprobs"]["top_logprobs"][0] or {}
+    return letters_from_top_logprobs(top, n_options)
+
+
+def compare_lcp(
+    engine: Any, requests: list[DecisionRequest], n_gpu_layers: int, log: Path
+) -> dict[str, Any]:
+    if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("fastapi") is None:
+        return {
+            "skipped": "llama_cpp.server needs fastapi and uvicorn (pip install fastapi uvicorn "
+            "sse-starlette starlette-context)"
+        }
+    settings = engine.settings
+    with lcp_server(
+        engine.resolved.path, settings.n_threads, min(engine.n_ctx, 4096), n_gpu_layers, log
+    ) as url:
+        prompts = [engine.render_text(r) for r in requests]
+        lcp_decide(url, prompts[0], len(requests[0].options))  # warm-up
+        engine.score(requests[:1])
+        ours, theirs, agree, missing = [], [], 0, 0
+        for request, prompt in zip(requests, prompts, strict=True):
+            engine.cache.clear()
+            started = time.perf_counter()
+            result = _ok(engine.score([request])[0])
+            ours.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            letters = lcp_decide(url, prompt, len(request.options))
+            theirs.append(time.perf_counter() - started)
+            if all(math.isinf(v) for v in letters):
+                missing += 1
+                continue
+            agree += request.options[int(np.argmax(letters))].id == result.choice
+    return {
+        "decisions": len(requests),
+        "no_letter_in_top20": missing,
+        "agreement": agree / len(requests),
+        "url_mode": "/v1/completions, max_tokens=1, logprobs=20, Arbiter's prompt text",
+        **_latency_pair(ours, theirs),
+    }
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [
+        f"`arbiter bench all` on {report['machine']} (n_gpu_layers={report['n_gpu_layers']}, "
+        f"model {report.get('model', '?')}, {report['decisions']} decisions from {report['file']})",
+        "",
+        "| suite | ok | seconds | summary |",
+        "|---|---|---|---|",
+    ]
+    for s in report["suites"]:
+        summary = (
+            ", ".join(f"{k}={v}" for k, v in (s.get("summary") or {}).items())
+            if s.get("summary")
+            else (s.get("error") or "").strip().splitlines()[-1:]
+        )
+        lines.append(
+            f"| {s['suite']} | {'yes' if s['ok'] else 'no'} | {s.get('seconds', 0):.0f} | {summary} |"
+        )
+    lines += [
+        "",
+        "| comparison | Arbiter p50 / p95 ms | other p50 / p95 ms | p50 ratio | p95 ratio "
+        "| agreement |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, key in (
+        ("decision vs generating the letter", "generation"),
+        ("llama-cpp-python server (logprobs)", "llama_cpp_server"),
+    ):
+        c = report.get(key) or {}
+        if "skipped" in c or "error" in c:
+            lines.append(f"| {name} | – | – | – | – | {c.get('skipped') or c.get('error')} |")
+            continue
+        lines.append(
+            f"| {name} | {c['arbiter_p50_ms']:.0f} / {c['arbiter_p95_ms']:.0f} "
+            f"| {c['other_p50_ms']:.0f} / {c['other_p95_ms']:.0f} | {c['p50_ratio']:.2f}x "
+            f"| {c['p95_ratio']:.2f}x | {c['agreement']:.2f} |"
+        )
+    lines.append(f"| typed-gguf | – | – | – | – | {report['typed_gguf']} |")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from adapter.engine import Engine
+    from adapter.settings import EngineSettings
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    n_gpu = args.n_gpu_layers
+    report: dict[str, Any] = {
+        "machine": f"{os.cpu_count()} CPUs",
+        "n_gpu_layers": n_gpu if n_gpu is not None else 0,
+        "file": str(args.file),
+        "suites": [],
+    }
+    wanted = [s for s in available_suites() if not args.suites or s in args.suites.split(",")]
+    for suite in wanted:
+        print(f"bench {suite} ...", file=sys.stderr)
+        report["suites"].append(run_suite(suite, n_gpu, args.suite_timeout))
+    requests, _ = load_decisions(Path(args.file), args.limit)
+    report["decisions"] = len(requests)
+    overrides: dict[str, Any] = {"prefix_cache_mb": 0}
+    if n_gpu is not None:
+        overrides["n_gpu_layers"] = n_gpu
+    if args.model is not None:
+        overrides["model"] = args.model
+    engine = Engine(EngineSettings(**overrides))
+    report["model"] = engine.model_info.file
+    try:
+        print("decision vs generation ...", file=sys.stderr)
+        report["generation"] = decision_vs_generation(engine, requests)
+        if args.no_lcp:
+            report["llama_cpp_server"] = {"skipped": "--no-lcp"}
+        else:
+            print("llama-cpp-python server ...", file=sys.stderr)
+            try:
+                report["llama_cpp_server"] = compare_lcp(
+                    engine, requests, n_gpu or 0, out / "llama_cpp_server.log"
+                )
+            except (RuntimeError, OSError) as exc:
+                report["llama_cpp_server"] = {"error": str(exc)}
+    finally:
+        engine.close()
+    report["typed_gguf"] = (
+        "installed; not compared (no client here yet)"
+        if importlib.util.find_spec("typed_gguf")
+        else "not installed: skipped"
+    )
+    markdown = render(report)
+    (out / "bench-report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "bench-report.md").write_text(markdown + "\n")
+    print(markdown)
+    print(f"\nwrote {out / 'bench-report.md'} and {out / 'bench-report.json'}")
+    return 0 if all(s["ok"] for s in report["suites"]) else 1
+
+
+def register(bench_sub: Any) -> None:
+    """Add ``all`` under ``arbiter bench``."""
+    p = bench_sub.add_parser("all", help="every benchmark, plus the peer comparisons")
+    p.add_argument("--file", default=str(LABELED), help="labeled decisions for the comparisons")
+    p.add_argument("--limit", type=int, default=12, help="decisions used by the comparisons")
+    p.add_argument("--suites", default=None, help=f"comma list among {','.join(SUITES)}")
+    p.add_argument("--suite-timeout", type=float, default=1800.0, help="seconds per suite")
+    p.add_argument("--n-gpu-layers", type=int, default=None, help="layers to offload (-1: all)")
+    p.add_argument("--model", type=Path, default=None, help="a .gguf (else the default model)")
+    p.add_argument("--no-lcp", action="store_true", help="skip the llama-cpp-python server")
+    p.add_argument("--out", default="bench-out", help="directory for the report files")
+    p.set_defaults(func=main)
