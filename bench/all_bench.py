@@ -287,7 +287,7 @@ def render(report: dict[str, Any]) -> str:
         summary = (
             ", ".join(f"{k}={v}" for k, v in (s.get("summary") or {}).items())
             if s.get("summary")
-            else (s.get("error") or "").strip().splitlines()[-1:]
+            else "".join((s.get("error") or "").strip().splitlines()[-1:]).replace("|", "/")
         )
         lines.append(
             f"| {s['suite']} | {'yes' if s['ok'] else 'no'} | {s.get('seconds', 0):.0f} | {summary} |"
