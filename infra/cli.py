@@ -33,6 +33,44 @@ def cmd_package_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from infra.deploy import DeployConfig, DeployError, deploy
+
+    config = DeployConfig(
+        stack=args.stack,
+        bucket=args.bucket,
+        image=args.image,
+        model=args.model,
+        region=args.region,
+        mode=args.mode,
+        accelerator=args.accelerator,
+        max_in_flight=args.max_in_flight,
+        endpoint_max_instances=args.endpoint_max_instances,
+        workers=not args.no_workers,
+        subnets=_csv(args.subnets),
+        security_groups=_csv(args.security_groups),
+        assign_public_ip=args.assign_public_ip,
+        worker_max_tasks=args.worker_max_tasks,
+        worker_processes=args.worker_processes,
+        endpoint_url=args.endpoint_url,
+        poll_s=args.poll,
+    )
+    try:
+        return deploy(
+            config,
+            dry_run=args.dry_run,
+            out=sys.stdout,
+            log=lambda line: print(f"arbiter deploy: {line}", file=sys.stderr),
+        )
+    except DeployError as exc:
+        print(f"arbiter deploy: refused: {exc}", file=sys.stderr)
+        return 2
+
+
 def register(sub: Any) -> None:
     """Add ``package-model`` and ``deploy`` to the ``arbiter`` parser."""
     pkg = sub.add_parser(
@@ -49,3 +87,35 @@ def register(sub: Any) -> None:
     )
     pkg.add_argument("--revision", default=None, help="the source's revision (commit, tag)")
     pkg.set_defaults(func=cmd_package_model)
+
+    dep = sub.add_parser(
+        "deploy",
+        help="create or update the CloudFormation stacks (S3/SQS, SageMaker endpoint, ECS workers)",
+        description="Deploys infra/cloudformation/data.yaml, uploads the model archive, deploys "
+        "infra/cloudformation/serving.yaml. See infra/README.md.",
+    )
+    dep.add_argument("--stack", required=True, help="name prefix: <stack>-data, <stack>-serving")
+    dep.add_argument("--bucket", required=True, help="data bucket name (globally unique)")
+    dep.add_argument("--image", required=True, help="ECR image by digest: REPO@sha256:<64 hex>")
+    dep.add_argument(
+        "--model", required=True, help="model.tar.gz from package-model, or s3://BUCKET/models/..."
+    )
+    dep.add_argument("--region", default="us-east-1")
+    dep.add_argument("--mode", choices=["realtime", "async", "none"], default="async")
+    dep.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
+    dep.add_argument(
+        "--max-in-flight", type=int, default=1, help="ARBITER_MAX_IN_FLIGHT = async concurrency"
+    )
+    dep.add_argument("--endpoint-max-instances", type=int, default=2)
+    dep.add_argument("--no-workers", action="store_true", help="no ECS worker pool")
+    dep.add_argument("--subnets", default="", help="comma-separated subnet ids (workers)")
+    dep.add_argument("--security-groups", default="", help="comma-separated security groups")
+    dep.add_argument("--assign-public-ip", action="store_true", help="public subnets without NAT")
+    dep.add_argument("--worker-max-tasks", type=int, default=4)
+    dep.add_argument("--worker-processes", type=int, default=1)
+    dep.add_argument("--endpoint-url", default=None, help="AWS endpoint (LocalStack, moto)")
+    dep.add_argument("--poll", type=int, default=15, help="seconds between stack status polls")
+    dep.add_argument(
+        "--dry-run", action="store_true", help="print every AWS call as JSON lines; call nothing"
+    )
+    dep.set_defaults(func=cmd_deploy)
