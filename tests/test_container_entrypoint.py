@@ -227,3 +227,11 @@ def test_exec_replaces_the_process(clean_env: pytest.MonkeyPatch, model_dir: Pat
     assert proc.returncode == 0, err
     seen = json.loads(out)
     assert seen == {"argv": ["serve", "--port", "8081"], "pid": proc.pid, "gpu": "0"}
+
+
+def test_ggml_backends_are_registered():
+    """A GGML_BACKEND_DL build (the CPU image) registers its backends here; this venv's build has
+    them linked in, so the call finds them and loads nothing."""
+    from adapter.ggml_backends import load_backends
+
+    assert load_backends() >= 1
