@@ -15,14 +15,14 @@ import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import structlog
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 from pydantic import ValidationError
 
-from adapter import chat
+from adapter import chat, systemone_http
 from adapter.admission import Admission, Slot
 from adapter.cli import parse_decision_line, validation_error
 from adapter.engine import Engine, Generation
@@ -42,6 +42,7 @@ from adapter.logging import get_logger, request_id
 from adapter.metrics import Metrics
 from adapter.schema import DecisionRequest, DecisionResult
 from adapter.settings import ServerSettings
+from adapter.systemone import SystemOneInvalid
 
 OPENAPI_PATH = Path(__file__).with_name("openapi.json")
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
@@ -250,6 +251,8 @@ async def models(request: web.Request) -> web.Response:
                     "meta": info.model_dump(),
                 }
             ],
+            # The TypeSafe SDK's models.list() reads this key.
+            "models": systemone_http.models_listing(engine),
         }
     )
 
@@ -276,10 +279,13 @@ async def invocations(request: web.Request) -> web.StreamResponse:
             code="invalid_type",
         )
     kinds = [key for key in ("decision", "decisions", "messages") if key in raw]
+    if not kinds and isinstance(raw.get("questions"), dict):
+        request[REQUEST_LOG].kind = "systemone"
+        return await _systemone(request, state, raw)
     if len(kinds) != 1:
         raise InvalidDecision(
-            "the body must have exactly one of: decision, decisions, messages"
-            + (f" (found {', '.join(kinds)})" if kinds else ""),
+            "the body must have exactly one of: decision, decisions, messages "
+            "(or a System One questions map)" + (f" (found {', '.join(kinds)})" if kinds else ""),
             param=None,
             code="unknown_request_shape",
         )
@@ -414,6 +420,42 @@ async def _many(request: web.Request, state: State, raw: dict[str, Any]) -> web.
     }
     body = await asyncio.to_thread(_dumps, {"results": results, "timing": timing})
     return web.Response(body=body, content_type="application/json")
+
+
+# -- System One --------------------------------------------------------------------------------
+
+
+async def systemone_route(request: web.Request) -> web.Response:
+    """`POST /v1/systemone`: the TypeSafe System One API, 422s in FastAPI's shape."""
+    state = request.app[STATE]
+    request[REQUEST_LOG].kind = "systemone"
+    try:
+        raw = systemone_http.parse_body(await request.read())
+    except SystemOneInvalid as exc:
+        return systemone_http.invalid(exc)
+    return await _systemone(request, state, raw)
+
+
+async def _systemone(request: web.Request, state: State, raw: Any) -> web.Response:
+    engine = state.holder.require()
+    try:
+        async with state.admission.slot() as slot:
+            body, questions, tokens = await systemone_http.answer(raw, engine, slot.run)
+    except SystemOneInvalid as exc:
+        return systemone_http.invalid(exc)
+    request[REQUEST_LOG].decisions = questions
+    request[REQUEST_LOG].tokens = tokens
+    return web.json_response(body)
+
+
+@web.middleware
+async def api_key_guard(request: web.Request, handler: Any) -> web.StreamResponse:
+    """With ARBITER_API_KEY set, the /v1/* routes need the bearer token (SageMaker's own routes
+    are guarded by IAM: SageMaker strips the Authorization header before the container)."""
+    key = request.app[STATE].settings.api_key
+    if request.path.startswith("/v1/") and not systemone_http.authorized(request, key):
+        return systemone_http.unauthorized()
+    return cast(web.StreamResponse, await handler(request))
 
 
 # -- JSON Lines --------------------------------------------------------------------------------
@@ -685,7 +727,9 @@ def create_app(
         metrics=metrics,
         openapi=OPENAPI_PATH.read_bytes(),
     )
-    app = web.Application(middlewares=[middleware], client_max_size=int(settings.max_body_mb * MB))
+    app = web.Application(
+        middlewares=[middleware, api_key_guard], client_max_size=int(settings.max_body_mb * MB)
+    )
     app[STATE] = state
     app[CLOSE_ENGINE] = close_engine
     app.on_response_prepare.append(_on_prepare)
@@ -694,6 +738,7 @@ def create_app(
     app.router.add_post("/invocations", invocations)
     app.router.add_get("/execution-parameters", execution_parameters)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/systemone", systemone_route)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", make_aiohttp_handler(registry=metrics.registry))
     app.router.add_get("/openapi.json", openapi)

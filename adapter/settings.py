@@ -104,6 +104,10 @@ class ServerSettings(BaseSettings):
         default=None, description="JSON log lines (default: JSON unless stderr is a terminal)."
     )
     log_level: str = Field(default="info", description="debug, info, warning or error.")
+    api_key: str | None = Field(
+        default=None,
+        description="When set, /v1/* routes need 'Authorization: Bearer <key>' (401 otherwise).",
+    )
 
 
 # The stock llama.cpp SageMaker image turns SM_LLAMA_CPP_<X>=v into the llama-server flag

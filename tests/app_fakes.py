@@ -5,12 +5,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from adapter.engine import Generation
 from adapter.errors import ArbiterError, TooManyOptions
+from adapter.model_files import ResolvedModel
 from adapter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
 
 MODEL_INFO = ModelInfo(
@@ -35,6 +37,7 @@ class FakeEngine:
     eos_text = "<eos>"
     n_ctx = 512
     model_info = MODEL_INFO
+    resolved = ResolvedModel(path=Path(__file__), source="env", expected_sha256=None)
 
     def __init__(self, delay_s: float = 0.0) -> None:
         self.delay_s = delay_s
