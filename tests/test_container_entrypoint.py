@@ -30,11 +30,15 @@ def real_gguf() -> tuple[Path, str]:
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    """No Arbiter or SageMaker setting leaks in from the test runner's environment."""
+    """No Arbiter or SageMaker setting leaks in from the test runner's environment, and none
+    leaks out: the entrypoint writes image defaults into ``os.environ`` itself (for the exec)."""
+    saved = dict(os.environ)
     for name in list(os.environ):
         if name.startswith(_ENV_PREFIXES):
             monkeypatch.delenv(name)
     yield monkeypatch
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture
@@ -227,6 +231,12 @@ def test_exec_replaces_the_process(clean_env: pytest.MonkeyPatch, model_dir: Pat
     assert proc.returncode == 0, err
     seen = json.loads(out)
     assert seen == {"argv": ["serve", "--port", "8081"], "pid": proc.pid, "gpu": "0"}
+
+
+def test_entrypoint_tests_leave_the_environment_alone():
+    """Runs after the tests above (file order): nothing they set is left for the engine tests."""
+    assert "ARBITER_N_GPU_LAYERS" not in os.environ or os.environ["ARBITER_N_GPU_LAYERS"] == "0"
+    assert "ARBITER_IMAGE_N_GPU_LAYERS" not in os.environ
 
 
 def test_ggml_backends_are_registered():
