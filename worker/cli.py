@@ -82,9 +82,15 @@ def register(sub: Any, bench_sub: Any | None = None) -> None:
         )
         bench.add_argument("--decisions", type=int, default=1000, help="job size (10 per state)")
         bench.add_argument(
-            "--ungrouped", type=int, default=100, help="decisions scored one by one, uncached"
+            "--ungrouped",
+            type=int,
+            default=100,
+            help="sampled decisions scored one by one, uncached",
         )
         bench.add_argument("--state-tokens", type=int, default=400, help="tokens per state")
+        bench.add_argument(
+            "--segments", type=int, default=5, help="turns the paths take (noise sharing)"
+        )
         bench.add_argument("--model", type=Path, default=None)
         bench.add_argument("--json", action="store_true", help="print JSON")
         bench.set_defaults(func=cmd_bench_worker)

@@ -30,6 +30,17 @@ from worker.settings import WorkerSettings
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
+class _StderrLogger(structlog.WriteLogger):
+    """A log line that cannot be written (stderr closed by whoever started us) is dropped: losing
+    a log line must never stop a drain or a restart."""
+
+    def msg(self, message: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            super().msg(message)
+
+    log = debug = info = warn = warning = fatal = failure = err = error = critical = exception = msg
+
+
 def configure_logging(level: int = logging.INFO) -> None:
     """structlog, once per process: JSON lines on stderr (key=value on a terminal)."""
     renderer: Any = (
@@ -46,7 +57,7 @@ def configure_logging(level: int = logging.INFO) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
+        logger_factory=lambda *_: _StderrLogger(sys.stderr),
         cache_logger_on_first_use=False,
     )
 
@@ -162,7 +173,13 @@ class Pool:
                 await asyncio.sleep(self.settings.restart_delay_s)
                 if not self._stopping.is_set():
                     self._start(index)
-        await self._shutdown(mark_process_dead)
+        try:
+            await self._shutdown(mark_process_dead)
+        finally:
+            for proc in self._procs.values():  # whatever happened above, leave no worker behind
+                if proc.exitcode is None:
+                    proc.kill()
+                    proc.join(5)
         return 0
 
     async def _shutdown(self, mark_dead: Callable[[int], None]) -> None:
