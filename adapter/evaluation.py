@@ -504,6 +504,13 @@ def cmd_calibrate(args: argparse.Namespace, out: Any = None) -> int:
             f"| {_fmt(m['accuracy'])} |",
             file=out,
         )
+    before, after = held["before"]["nll"], held["after"]["nll"]
+    if before is not None and after is not None and after > before:
+        print(
+            f"\nwarning: the held-out NLL got worse ({before:.3f} -> {after:.3f}): too few items "
+            "to fit on, or a split that differs from the fit; use more labeled decisions",
+            file=out,
+        )
     print(f"\nwrote {path}" + (f" and {png}" if png else ""), file=out)
     print(f"serve with it: ARBITER_CALIBRATION={path}", file=out)
     return 0
