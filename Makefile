@@ -32,7 +32,7 @@ run: $(STAMP)
 	$(BIN)/arbiter decide examples/decisions.jsonl
 
 test: $(STAMP)
-	$(BIN)/ruff check adapter worker bench tests
+	$(BIN)/ruff check adapter worker bench tests infra
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -33,6 +33,7 @@ from adapter.errors import (
     ModelLoadError,
     TooManyOptions,
 )
+from adapter.ggml_backends import load_backends
 from adapter.llama_batch import NumpyBatch
 from adapter.model_files import ResolvedModel, resolve_model, verify
 from adapter.prefix_cache import PrefixCache, prefix_key
@@ -96,6 +97,7 @@ def _init_backend() -> None:
     with _backend_lock:
         if not _backend_ready:
             llama_cpp.llama_log_set(_llama_log, ctypes.c_void_p(0))
+            load_backends()  # a GGML_BACKEND_DL build (the CPU image) has none until loaded
             llama_cpp.llama_backend_init()
             _backend_ready = True
 
