@@ -24,7 +24,6 @@ from pydantic import ValidationError
 
 from adapter import chat, systemone_http
 from adapter.admission import Admission, Slot
-from adapter.cli import parse_decision_line, validation_error
 from adapter.engine import Engine, Generation
 from adapter.errors import (
     ArbiterError,
@@ -38,6 +37,7 @@ from adapter.errors import (
     Unavailable,
     UnsupportedMediaType,
 )
+from adapter.lines import score_lines, validation_error
 from adapter.logging import get_logger, request_id
 from adapter.metrics import Metrics
 from adapter.schema import DecisionRequest, DecisionResult
@@ -495,43 +495,11 @@ async def _lines(stream: Any, max_line: int, max_total: int) -> AsyncIterator[by
 def _score_lines(
     engine: Engine, metrics: Metrics, batch: list[tuple[int, bytes | ArbiterError]]
 ) -> tuple[bytes, int, int]:
-    """Parse, score and serialize one chunk of lines: one output line per input line."""
-    parsed: list[tuple[int, DecisionRequest | ArbiterError, Any]] = []
-    for number, line in batch:
-        if isinstance(line, ArbiterError):
-            parsed.append((number, line, None))
-            continue
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError:
-            parsed.append((number, MalformedRequest("the line is not valid UTF-8"), None))
-            continue
-        try:
-            decision = parse_decision_line(text)
-            parsed.append((number, decision, decision.id))
-        except ArbiterError as exc:
-            parsed.append((number, exc, _raw_id(text)))
-    outcomes = iter(engine.score([d for _, d, _ in parsed if isinstance(d, DecisionRequest)]))
-    out: list[str] = []
-    tokens = 0
-    for number, item, rid in parsed:
-        outcome = next(outcomes) if isinstance(item, DecisionRequest) else item
-        metrics.observe_decision(outcome)
-        if isinstance(outcome, ArbiterError):
-            record = {"line": number, "id": rid, "error": outcome.to_dict()}
-        else:
-            tokens += outcome.prompt.input_tokens
-            record = {"line": number, "id": rid, "result": outcome.model_dump()}
-        out.append(json.dumps(record, ensure_ascii=False))
-    return ("\n".join(out) + "\n").encode(), len(parsed), tokens
-
-
-def _raw_id(text: str) -> Any:
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    return raw.get("id") if isinstance(raw, dict) else None
+    """Score and serialize one chunk of lines: one output line per input line."""
+    records = score_lines(engine, list(batch), metrics.observe_decision)
+    tokens = sum(r["result"]["prompt"]["input_tokens"] for r in records if "result" in r)
+    body = "\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n"
+    return body.encode(), len(records), tokens
 
 
 async def _jsonlines(request: web.Request, state: State) -> web.StreamResponse:

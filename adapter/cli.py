@@ -7,40 +7,9 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-from pydantic import ValidationError
-
-from adapter.errors import ArbiterError, InvalidDecision, MalformedRequest
-from adapter.schema import DecisionRequest
-
-
-def _error_record(line: int, raw_id: Any, error: ArbiterError) -> dict[str, Any]:
-    return {"line": line, "id": raw_id, "error": error.to_dict()}
-
-
-def validation_error(exc: ValidationError, prefix: str | None = None) -> InvalidDecision:
-    """The first pydantic error as a typed error naming its field (``options.2.id``)."""
-    first = exc.errors()[0]
-    loc = ".".join(str(part) for part in first["loc"])
-    param = f"{prefix}.{loc}" if prefix and loc else (prefix or loc or None)
-    message = first["msg"]
-    if param:
-        message = f"{param}: {message}"
-    return InvalidDecision(message, param=param, code="invalid_field")
-
-
-def parse_decision_line(line: str) -> DecisionRequest:
-    try:
-        raw = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise MalformedRequest(f"line is not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise InvalidDecision("line must be a JSON object (one decision)", code="invalid_type")
-    try:
-        return DecisionRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from exc
+from adapter.lines import Line, score_lines
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -61,35 +30,13 @@ def cmd_decide(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     failures = 0
     with tqdm(total=len(lines), unit="decision", file=sys.stderr, disable=args.quiet) as bar:
         for start in range(0, len(lines), args.chunk):
-            chunk = lines[start : start + args.chunk]
-            parsed: list[tuple[int, DecisionRequest | ArbiterError, Any]] = []
-            for number, line in chunk:
-                try:
-                    request = parse_decision_line(line)
-                    parsed.append((number, request, request.id))
-                except ArbiterError as exc:
-                    parsed.append((number, exc, _raw_id(line)))
-            requests = [r for _, r, _ in parsed if isinstance(r, DecisionRequest)]
-            outcomes = iter(engine.score(requests))
-            for number, item, raw_id in parsed:
-                outcome = next(outcomes) if isinstance(item, DecisionRequest) else item
-                if isinstance(outcome, ArbiterError):
-                    failures += 1
-                    record = _error_record(number, raw_id, outcome)
-                else:
-                    record = {"line": number, "id": raw_id, "result": outcome.model_dump()}
+            chunk: list[tuple[int, Line]] = list(lines[start : start + args.chunk])
+            for record in score_lines(engine, chunk):
+                failures += "error" in record
                 out.write(json.dumps(record) + "\n")
             bar.update(len(chunk))
     engine.close()
     return 1 if failures and failures == len(lines) else 0
-
-
-def _raw_id(line: str) -> Any:
-    try:
-        raw = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return raw.get("id") if isinstance(raw, dict) else None
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:

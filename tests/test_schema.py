@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from adapter.cli import parse_decision_line
 from adapter.errors import ArbiterError
+from adapter.lines import parse_decision_line
 
 
 def _line(**overrides: Any) -> dict[str, Any]:

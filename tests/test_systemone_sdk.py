@@ -87,7 +87,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def test_sync_client_noul_choice_score_over_one_structured_state(server: str) -> None:
-    with TypeSafeClient(api_key=API_KEY, base_url=server, model="jev-latest", retry=NO_RETRY, timeout=120) as c:
+    with TypeSafeClient(
+        api_key=API_KEY, base_url=server, model="jev-latest", retry=NO_RETRY, timeout=120
+    ) as c:
         response = c.system_one(
             state=TICKET,
             questions={
@@ -119,7 +121,9 @@ def test_sync_client_noul_choice_score_over_one_structured_state(server: str) ->
 
 
 async def test_async_client_and_the_served_model_id(server: str) -> None:
-    async with AsyncTypeSafeClient(api_key=API_KEY, base_url=server, retry=NO_RETRY, timeout=120) as client:
+    async with AsyncTypeSafeClient(
+        api_key=API_KEY, base_url=server, retry=NO_RETRY, timeout=120
+    ) as client:
         listing = await client.models.list()
         names = [m.name for m in listing.models]
         assert "jev-latest" in names and "default" in names
@@ -179,7 +183,9 @@ def test_invocations_answers_a_system_one_body_the_same_way(server: str) -> None
 def test_wrong_or_missing_key_raises_the_sdk_authentication_error(server: str) -> None:
     for key in ("wrong-key", " "):
         with (
-            TypeSafeClient(api_key=key.strip() or "x", base_url=server, retry=NO_RETRY, timeout=120) as c,
+            TypeSafeClient(
+                api_key=key.strip() or "x", base_url=server, retry=NO_RETRY, timeout=120
+            ) as c,
             pytest.raises(TypeSafeAuthenticationError),
         ):
             c.system_one(state="s", questions={"q": Noul(instructions="ok?")})
@@ -206,7 +212,9 @@ def test_validation_failure_raises_the_sdk_422_naming_the_field(server: str) -> 
 
 async def test_busy_server_raises_the_sdk_server_error_with_retry_after(server: str) -> None:
     many = {f"q{i}": Noul(instructions=f"Is statement {i} true?") for i in range(8)}
-    async with AsyncTypeSafeClient(api_key=API_KEY, base_url=server, retry=NO_RETRY, timeout=120) as client:
+    async with AsyncTypeSafeClient(
+        api_key=API_KEY, base_url=server, retry=NO_RETRY, timeout=120
+    ) as client:
         slow = asyncio.create_task(client.system_one(state=TICKET, questions=many))
         await asyncio.sleep(0.3)
         with pytest.raises(TypeSafeInternalServerError) as info:

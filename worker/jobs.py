@@ -27,8 +27,8 @@ from typing import IO, Any, Protocol
 from botocore.exceptions import ClientError
 from pydantic import ValidationError
 
-from adapter.cli import parse_decision_line, validation_error
 from adapter.errors import ArbiterError, InvalidDecision, MalformedRequest
+from adapter.lines import parse_decision_line, validation_error
 from adapter.schema import DecisionRequest, DecisionResult, ModelInfo
 from worker.events import JobRef, normalize_etag
 from worker.settings import WorkerSettings
