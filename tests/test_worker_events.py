@@ -193,3 +193,14 @@ async def test_gzip_members_are_concatenated_and_truncation_fails() -> None:
         await _collect("incoming/a.jsonl.gz", data[:-12], 10)
     with pytest.raises(JobFailed, match="not valid gzip"):
         await _collect("incoming/a.jsonl.gz", b"plain text, not gzip\n", 10)
+
+
+def test_a_log_line_to_a_closed_stderr_is_dropped_not_raised() -> None:
+    # The pool must drain and exit even when whoever started it has gone (its pipe closed).
+    import io
+
+    from worker.pool import _StderrLogger
+
+    stream = io.StringIO()
+    stream.close()
+    _StderrLogger(stream).error('{"event": "pool.draining"}')  # the rendered line
