@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/arbiter decide examples/decisions.jsonl
+	$(BIN)/arbiter local --submit examples/job.jsonl
 
 test: $(STAMP)
 	$(BIN)/ruff check adapter worker bench tests infra

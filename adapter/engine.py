@@ -89,7 +89,7 @@ def _llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         sys.stderr.write(text.decode("utf-8", "replace"))
 
 
-_GGML_LOG_LEVEL_ERROR = 3
+_GGML_LOG_LEVEL_ERROR = 4  # ggml.h: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
 
 
 def _init_backend() -> None:

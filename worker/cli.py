@@ -74,6 +74,13 @@ def register(sub: Any, bench_sub: Any | None = None) -> None:
     local.add_argument("--processes", type=int, default=None, help="worker processes")
     local.add_argument("--no-serve", action="store_true", help="do not start `arbiter serve`")
     local.add_argument("--no-work", action="store_true", help="do not start `arbiter work`")
+    local.add_argument(
+        "--submit",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="once up, submit this job, print its summary and first results, keep running",
+    )
     local.set_defaults(func=cmd_local)
 
     if bench_sub is not None:

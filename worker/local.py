@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -78,6 +79,8 @@ def run_local(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if args.submit is not None:
+        asyncio.run(_demo(settings, args.submit))
     while not stop.wait(0.5):
         if children and all(c.poll() is not None for c in children):
             break
@@ -85,6 +88,38 @@ def run_local(args: argparse.Namespace) -> int:
     if server is not None:
         server.stop()
     return status
+
+
+async def _demo(settings: WorkerSettings, path: Any) -> None:
+    """Submit a job the way `arbiter submit` does and show what came back."""
+    from aiobotocore.session import get_session
+
+    from worker.submit import submit
+
+    summary = await submit(settings, path, timeout_s=900)
+    if summary is None:
+        print("the example job did not finish in 15 minutes", flush=True)
+        return
+    brief = {k: summary[k] for k in ("lines", "ok", "failed", "errors_by_code", "seconds")}
+    print(f"job summary: {json.dumps(brief)}", flush=True)
+    async with get_session().create_client("s3", **settings.client_kwargs()) as s3:
+        got = await s3.get_object(Bucket=settings.bucket, Key=summary["results_key"])
+        async with got["Body"] as body:
+            lines = (await body.read()).decode().splitlines()
+    print(f"first results of {len(lines)} (s3://{settings.bucket}/{summary['results_key']}):")
+    for line in lines[:5]:
+        record = json.loads(line)
+        outcome = record.get("result") or record.get("error")
+        brief = (
+            {
+                "choice": outcome["choice"],
+                "probabilities": [round(p, 3) for p in outcome["probabilities"]],
+            }
+            if "result" in record
+            else {"error": outcome["code"]}
+        )
+        print(f"  line {record['line']} {record['id']}: {json.dumps(brief)}", flush=True)
+    print("the stack keeps running (curl localhost:8080/ping); Ctrl-C stops it.", flush=True)
 
 
 def _spawn(args: argparse.Namespace, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
