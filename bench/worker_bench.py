@@ -29,19 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from adapter.settings import EngineSettings
+from bench.engine_bench import QUESTIONS as ENGINE_QUESTIONS
 
-QUESTIONS = [
-    "Which queue should handle this case?",
-    "Which team owns the follow-up?",
-    "What is the most likely root cause?",
-    "Where should the customer be routed?",
-    "Which specialist should review it first?",
-    "What kind of problem is described?",
-    "Which department is responsible?",
-    "Which category fits the case best?",
-    "What should happen next?",
-    "Who should be told first?",
-]
+QUESTIONS = [*ENGINE_QUESTIONS, "What should happen next?", "Who should be told first?"]
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from adapter.errors import ArbiterError
-from adapter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
+from adapter.schema import DecisionRequest, DecisionResult, PromptInfo, Timing
+from tests.app_fakes import MODEL_INFO
 
 CREDS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 
@@ -54,20 +55,7 @@ def decision_line(i: int, state: str = "Order 1 arrived broken.", question: str 
     )
 
 
-FAKE_MODEL = ModelInfo(
-    file="fake.gguf",
-    bytes=0,
-    sha256="0" * 64,
-    architecture="fake",
-    quantization="none",
-    description="fake engine for queue tests",
-    context_tokens=0,
-    threads=1,
-    n_gpu_layers=0,
-    chat_template=False,
-    llama_cpp_python_version="none",
-    llama_cpp_build="none",
-)
+FAKE_MODEL = MODEL_INFO
 
 
 class FakeEngine:
