@@ -31,6 +31,29 @@ MODEL_INFO = ModelInfo(
 )
 
 
+def uniform_result(
+    d: DecisionRequest, *, prefix_tokens: int = 0, prefill_s: float = 0.0, version: str = "v"
+) -> DecisionResult:
+    """A well-formed result with equal probabilities and 10 input tokens (first option chosen)."""
+    n = len(d.options)
+    return DecisionResult(
+        id=d.id,
+        option_ids=[o.id for o in d.options],
+        probabilities=[1 / n] * n,
+        option_logits=[0.0] * n,
+        choice=d.options[0].id,
+        allowed_mass=1.0,
+        temperature=1.0,
+        probability_status="raw",
+        prefix_cache="off",
+        prompt=PromptInfo(
+            sha256="0" * 64, version=version, input_tokens=10, prefix_tokens=prefix_tokens
+        ),
+        timing=Timing(tokenize_s=0, prefill_s=prefill_s, readout_s=0, total_s=prefill_s),
+        model=MODEL_INFO,
+    )
+
+
 class FakeEngine:
     chat_template = None
     bos_text = "<bos>"
@@ -54,25 +77,7 @@ class FakeEngine:
             if len(d.options) > 3:
                 out.append(TooManyOptions("too many", param="options"))
                 continue
-            n = len(d.options)
-            out.append(
-                DecisionResult(
-                    id=d.id,
-                    option_ids=[o.id for o in d.options],
-                    probabilities=[1 / n] * n,
-                    option_logits=[0.0] * n,
-                    choice=d.options[0].id,
-                    allowed_mass=1.0,
-                    temperature=1.0,
-                    probability_status="raw",
-                    prefix_cache="off",
-                    prompt=PromptInfo(
-                        sha256="0" * 64, version="v", input_tokens=10, prefix_tokens=4
-                    ),
-                    timing=Timing(tokenize_s=0, prefill_s=0.001, readout_s=0, total_s=0.001),
-                    model=MODEL_INFO,
-                )
-            )
+            out.append(uniform_result(d, prefix_tokens=4, prefill_s=0.001))
         return out
 
     def encode_segments(self, segments: Sequence[tuple[str, bool]]) -> np.ndarray:

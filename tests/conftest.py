@@ -30,6 +30,16 @@ def decision(
     )
 
 
+@pytest.fixture
+def endpoint() -> Iterator[str]:
+    """moto's S3+SQS server (one per session, on 127.0.0.1), reset for each test."""
+    from tests.worker_support import moto_endpoint, reset_moto
+
+    ep = moto_endpoint()
+    reset_moto(ep)
+    yield ep
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return bundled_model().path

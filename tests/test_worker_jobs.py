@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from adapter.engine import Engine
@@ -16,11 +14,9 @@ from tests.worker_support import (
     aws_clients,
     decision_line,
     list_keys,
-    moto_endpoint,
     queue_counts,
     read_object,
     receive_all,
-    reset_moto,
 )
 from worker.events import JobRef
 from worker.jobs import output_keys, run_job
@@ -31,13 +27,6 @@ from worker.stack import ensure_stack
 
 STATE_A = "Order 1188 arrived with a cracked screen; the customer wants it fixed fast."
 STATE_B = {"ticket": "T-9", "text": "Invoice charged twice this month."}
-
-
-@pytest.fixture
-def endpoint() -> Iterator[str]:
-    ep = moto_endpoint()
-    reset_moto(ep)
-    yield ep
 
 
 def settings_for(endpoint: str, **kw: Any) -> WorkerSettings:

@@ -24,9 +24,7 @@ from tests.worker_support import (
     aws_clients,
     decision_line,
     list_keys,
-    moto_endpoint,
     queue_counts,
-    reset_moto,
     wait_for,
 )
 from worker.settings import WorkerSettings
@@ -85,13 +83,6 @@ class Proc:
         self._reader.join(5)
         if self.popen.stdout is not None:
             self.popen.stdout.close()
-
-
-@pytest.fixture
-def endpoint() -> Iterator[str]:
-    ep = moto_endpoint()
-    reset_moto(ep)
-    yield ep
 
 
 @pytest.fixture

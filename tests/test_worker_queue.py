@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from tests.worker_support import (
@@ -15,23 +13,14 @@ from tests.worker_support import (
     aws_clients,
     decision_line,
     list_keys,
-    moto_endpoint,
     queue_counts,
     receive_all,
-    reset_moto,
     wait_for,
 )
 from worker.metrics import WorkerMetrics
 from worker.queue import Consumer, describe_queue
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
-
-
-@pytest.fixture
-def endpoint() -> Iterator[str]:
-    ep = moto_endpoint()
-    reset_moto(ep)
-    yield ep
 
 
 def settings_for(endpoint: str, **kw: Any) -> WorkerSettings:

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from adapter.errors import ArbiterError
-from adapter.schema import DecisionRequest, DecisionResult, PromptInfo, Timing
-from tests.app_fakes import MODEL_INFO
+from adapter.schema import DecisionRequest, DecisionResult
+from tests.app_fakes import MODEL_INFO, uniform_result
 
 CREDS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 
@@ -80,21 +80,7 @@ class FakeEngine:
 
 
 def _result(d: DecisionRequest) -> DecisionResult:
-    n = len(d.options)
-    return DecisionResult(
-        id=d.id,
-        option_ids=[o.id for o in d.options],
-        probabilities=[1 / n] * n,
-        option_logits=[0.0] * n,
-        choice=d.options[0].id,
-        allowed_mass=1.0,
-        temperature=1.0,
-        probability_status="raw",
-        prefix_cache="off",
-        prompt=PromptInfo(sha256="0" * 64, version="fake", input_tokens=10, prefix_tokens=0),
-        timing=Timing(tokenize_s=0, prefill_s=0, readout_s=0, total_s=0),
-        model=FAKE_MODEL,
-    )
+    return uniform_result(d, version="fake")
 
 
 def make_fake_engine(settings: Any = None) -> FakeEngine:
