@@ -12,7 +12,8 @@
    combined by log-sum-exp, missing letters count as -inf). Same model, same decisions, requests
    interleaved with Arbiter's: latency ratio (Arbiter in-process vs the server over loopback HTTP,
    so the server's figure includes its HTTP round trip) and agreement of the chosen option.
-4. typed-gguf: only reported as present or not; its client is not implemented here.
+4. typed-gguf, when it is installed (``bench.typed_gguf_compare``): its ``/v1/decide`` server on
+   127.0.0.1, per decision and 8 questions on one state: latency ratio and agreement.
 
 ``--n-gpu-layers`` is passed to every part (``ARBITER_N_GPU_LAYERS`` for the suites, the engine
 settings, ``--n_gpu_layers`` for the llama-cpp-python server), so a GPU machine produces the same
@@ -39,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from adapter.schema import DecisionRequest, DecisionResult
+from bench import typed_gguf_compare
 
 ROOT = Path(__file__).resolve().parent.parent
 LABELED = ROOT / "examples" / "labeled.jsonl"
@@ -311,7 +313,7 @@ def render(report: dict[str, Any]) -> str:
             f"| {c['other_p50_ms']:.0f} / {c['other_p95_ms']:.0f} | {c['p50_ratio']:.2f}x "
             f"| {c['p95_ratio']:.2f}x | {c['agreement']:.2f} |"
         )
-    lines.append(f"| typed-gguf | – | – | – | – | {report['typed_gguf']} |")
+    lines += typed_gguf_compare.rows(report["typed_gguf"])
     return "\n".join(lines)
 
 
@@ -354,13 +356,15 @@ def main(args: argparse.Namespace) -> int:
                 )
             except (RuntimeError, OSError) as exc:
                 report["llama_cpp_server"] = {"error": str(exc)}
+        if importlib.util.find_spec("typed_gguf") is None:
+            report["typed_gguf"] = "not installed: skipped"
+        else:
+            print("typed-gguf server ...", file=sys.stderr)
+            report["typed_gguf"] = typed_gguf_compare.compare(
+                engine, requests, out / "typed_gguf_server.log"
+            )
     finally:
         engine.close()
-    report["typed_gguf"] = (
-        "installed; not compared (no client here yet)"
-        if importlib.util.find_spec("typed_gguf")
-        else "not installed: skipped"
-    )
     markdown = render(report)
     (out / "bench-report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "bench-report.md").write_text(markdown + "\n")
