@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,17 @@ def test_render_handles_skips_and_failures() -> None:
         in text
     )
     assert "no generate method" in text
+
+
+def test_update_readme_rewrites_only_the_generated_section(tmp_path: Path) -> None:
+    from bench.all_bench import README_END, README_START, update_readme
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\nbefore\n\n{README_START}\nold\n{README_END}\n\nafter\n")
+    update_readme(readme, "| a | b |", "arbiter bench all --limit 3")
+    text = readme.read_text()
+    assert text.startswith("# Title\n\nbefore\n\n") and text.endswith(f"{README_END}\n\nafter\n")
+    assert "old" not in text and "| a | b |" in text and "arbiter bench all --limit 3" in text
+    (tmp_path / "bare.md").write_text("no markers\n")
+    with pytest.raises(SystemExit):
+        update_readme(tmp_path / "bare.md", "x", "y")
