@@ -28,7 +28,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ import numpy as np
 
 from adapter.schema import DecisionRequest, DecisionResult
 from bench import typed_gguf_compare
+from bench.local_servers import free_port, wait_until_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 LABELED = ROOT / "examples" / "labeled.jsonl"
@@ -159,18 +159,12 @@ def decision_vs_generation(engine: Any, requests: list[DecisionRequest]) -> dict
 # -- llama-cpp-python's server -----------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def lcp_server(
     model: Path, threads: int, n_ctx: int, n_gpu_layers: int, log: Path
 ) -> Iterator[str]:
     """``python -m llama_cpp.server`` on loopback; stopped by its own pid on exit."""
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -194,17 +188,7 @@ def lcp_server(
         proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama_cpp.server exited ({proc.returncode}); see {log}")
-            try:
-                with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"llama_cpp.server did not start; see {log}") from None
-                time.sleep(0.5)
+        wait_until_ready(proc, f"{url}/v1/models", "llama_cpp.server", log, 120, 0.5)
         yield url
     finally:
         proc.terminate()

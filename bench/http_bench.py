@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import numpy as np
 
 from adapter.engine import open_engine
 from adapter.schema import DecisionRequest
+from bench.local_servers import free_port
 
 
 def _decision(i: int) -> dict[str, Any]:
@@ -41,12 +41,6 @@ def _decision(i: int) -> dict[str, Any]:
             {"id": "tech", "description": "Technical support"},
         ],
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -159,7 +153,7 @@ async def _overload(base: str, seconds: float, clients: int) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "ARBITER_MAX_IN_FLIGHT": "1", "ARBITER_LOG_JSON": "true"}
     cmd = [sys.executable, "-m", "adapter.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from adapter.schema import DecisionRequest
+from bench.local_servers import free_port, wait_until_ready
 
 START_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 120.0
@@ -87,21 +88,13 @@ def template_for(model: Path) -> str | None:
     return "gemma" if str(kv.get("general.architecture", "")).startswith("gemma") else None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def server(model: Path, log: Path) -> Iterator[tuple[str, dict[str, str]]]:
     """``typed-gguf serve`` on loopback with a private home; host and server stopped on exit."""
     home = Path(tempfile.mkdtemp(prefix="tg-"))
     env = _env(home)
     _register(home, model)
-    port = _free_port()
+    port = free_port()
     cmd = [_bin(), "serve", "--host", "127.0.0.1", "--port", str(port), "--keep-alive", "60m"]
     handle = log.open("w")
     proc = subprocess.Popen(
@@ -109,17 +102,7 @@ def server(model: Path, log: Path) -> Iterator[tuple[str, dict[str, str]]]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"typed-gguf serve exited ({proc.returncode}); see {log}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"typed-gguf serve did not start; see {log}") from None
-                time.sleep(0.3)
+        wait_until_ready(proc, f"{url}/health", "typed-gguf serve", log, START_TIMEOUT_S, 0.3)
         yield url, env
     finally:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
