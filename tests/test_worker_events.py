@@ -13,7 +13,8 @@ from adapter.errors import ArbiterError
 from adapter.schema import DecisionRequest
 from tests.worker_support import decision_line
 from worker.events import Ignored, JobRef, UnreadableMessage, parse_message
-from worker.jobs import JobFailed, items_for, output_keys
+from worker.formats import items_for
+from worker.jobs import output_keys
 from worker.policies import DrainDeadline, ExponentialBackoff, goes_to_dlq
 from worker.settings import WorkerSettings
 
@@ -135,7 +136,7 @@ async def _pieces(data: bytes, size: int) -> AsyncIterator[bytes]:
 
 
 async def _collect(key: str, data: bytes, size: int) -> list[tuple[int, object, object]]:
-    return [item async for item in items_for(key, _pieces(data, size))]
+    return [(item.line, item.value, item.raw_id) async for item in items_for(key, _pieces(data, size))]
 
 
 def _kinds(items: list[tuple[int, object, object]]) -> list[tuple[int, str]]:
@@ -184,15 +185,17 @@ async def test_broken_json_document_ends_with_one_error(tail: str) -> None:
     assert _kinds(items) == [(1, "ok"), (2, "invalid_json")]
 
 
-async def test_gzip_members_are_concatenated_and_truncation_fails() -> None:
+async def test_gzip_members_are_concatenated_and_truncation_is_an_error_line() -> None:
     data = gzip.compress((decision_line(1) + "\n").encode()) + gzip.compress(
         (decision_line(2) + "\n").encode()
     )
     assert _kinds(await _collect("incoming/a.jsonl.gz", data, 10)) == [(1, "ok"), (2, "ok")]
-    with pytest.raises(JobFailed, match="truncated"):
-        await _collect("incoming/a.jsonl.gz", data[:-12], 10)
-    with pytest.raises(JobFailed, match="not valid gzip"):
-        await _collect("incoming/a.jsonl.gz", b"plain text, not gzip\n", 10)
+    truncated = await _collect("incoming/a.jsonl.gz", data[:-12], 10)
+    assert _kinds(truncated) == [(1, "ok"), (2, "invalid_gzip")]
+    assert "truncated" in truncated[1][1].message  # type: ignore[attr-defined]
+    plain = await _collect("incoming/a.jsonl.gz", b"plain text, not gzip\n", 10)
+    assert _kinds(plain) == [(1, "invalid_gzip")]
+    assert "not valid gzip" in plain[0][1].message  # type: ignore[attr-defined]
 
 
 def test_a_log_line_to_a_closed_stderr_is_dropped_not_raised() -> None:
@@ -204,3 +207,26 @@ def test_a_log_line_to_a_closed_stderr_is_dropped_not_raised() -> None:
     stream = io.StringIO()
     stream.close()
     _StderrLogger(stream).error('{"event": "pool.draining"}')  # the rendered line
+
+
+def test_lease_extensions_stop_short_of_sqs_12_hour_limit() -> None:
+    from worker.policies import SQS_MAX_VISIBILITY_S, lease_extension
+
+    assert lease_extension(20, 60, 20) == 60
+    assert lease_extension(SQS_MAX_VISIBILITY_S - 100, 60, 20) == 60
+    assert lease_extension(SQS_MAX_VISIBILITY_S - 70, 60, 20) == 50  # never past the limit
+    assert lease_extension(SQS_MAX_VISIBILITY_S - 40, 60, 20) is None  # would not outlast a beat
+    assert lease_extension(3.0, 2, 0.5, limit_s=4) is None
+
+
+def test_restarts_double_then_give_up_and_a_long_life_resets_the_count() -> None:
+    from worker.policies import RestartPolicy
+
+    policy = RestartPolicy(base_s=1, maximum_s=5, max_restarts=4, reset_s=60)
+    crashes, delays = 0, []
+    for _ in range(5):
+        crashes = policy.crashes(crashes, lived_s=2)
+        delays.append(policy.delay(crashes))
+    assert delays == [1, 2, 4, 5, None]
+    assert policy.crashes(4, lived_s=3600) == 1  # it ran for an hour: not a crash loop
+    assert RestartPolicy(max_restarts=0).delay(1) is None

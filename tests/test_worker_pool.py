@@ -25,6 +25,8 @@ from tests.worker_support import (
     decision_line,
     list_keys,
     queue_counts,
+    read_object,
+    receive_all,
     wait_for,
 )
 from worker.settings import WorkerSettings
@@ -163,10 +165,16 @@ async def test_sigkill_mid_job_is_redone_with_exactly_one_output(endpoint: str, 
         await wait_for(lambda: _empty(sqs, stack["queue_url"]))
         keys = await list_keys(s3, "jobs", "results/")
         uploads = await s3.list_multipart_uploads(Bucket="jobs")
+        records = [json.loads(x) for x in (await read_object(s3, "jobs", keys[0])).splitlines()]
+        summary = json.loads(await read_object(s3, "jobs", keys[1]))
         pool.popen.send_signal(signal.SIGTERM)
         assert pool.popen.wait(30) == 0
     assert len(keys) == 2 and keys[0].endswith(".results.jsonl")
     assert not uploads.get("Uploads")
+    # One complete results object: every line exactly once, in order, all scored.
+    assert [(r["line"], r["id"]) for r in records] == [(i + 1, f"d{i}") for i in range(6)]
+    assert all("result" in r for r in records)
+    assert summary["lines"] == summary["ok"] == 6 and summary["worker"]["pid"] == redone["pid"]
 
 
 async def _empty(sqs: Any, url: str) -> bool:
@@ -252,3 +260,99 @@ def test_local_stack_and_submit_with_the_real_engine(spawn, tmp_path: Path) -> N
     assert summary["ok"] >= 1 and summary["model"]["architecture"] == "gemma3"
     local.popen.send_signal(signal.SIGTERM)
     assert local.popen.wait(60) == 0
+
+
+async def test_a_crash_looping_worker_backs_off_then_the_pool_exits_non_zero(
+    endpoint: str, spawn
+) -> None:
+    async with aws_clients(endpoint) as (s3, sqs):
+        await ensure_stack(s3, sqs, stack_settings(endpoint))
+    env = worker_env(endpoint, ARBITER_FAKE_CRASH=1, ARBITER_MAX_RESTARTS=3)
+    pool = spawn(WORK, env)
+    code = await asyncio.to_thread(pool.popen.wait, 90)
+    died = pool.events("pool.worker_died")
+    assert code == 1
+    assert [d.get("restart_in_s") for d in died] == [0.2, 0.4, 0.8, None]  # doubling, then out
+    assert pool.events("pool.crash_loop") and pool.events("pool.stopped")
+
+
+async def test_drain_deadline_exits_without_waiting_for_the_running_chunk(
+    endpoint: str, spawn
+) -> None:
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await ensure_stack(s3, sqs, stack_settings(endpoint))
+        await receive_all(sqs, stack["queue_url"])
+        await sqs.purge_queue(QueueUrl=stack["queue_url"])
+        env = worker_env(endpoint, ARBITER_FAKE_DELAY_S=60, ARBITER_DRAIN_DEADLINE_S=0.5)
+        pool = spawn(WORK, env)
+        pool.wait_event("worker.ready")
+        await s3.put_object(Bucket="jobs", Key="incoming/x.jsonl", Body=decision_line(1).encode())
+        pool.wait_event("job.started")
+        await asyncio.sleep(0.5)  # the 60 s engine call is running
+        started = time.monotonic()
+        pool.popen.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(pool.popen.wait, 30)
+        seconds = time.monotonic() - started
+        [again] = await receive_all(sqs, stack["queue_url"], wait=1)  # released for another worker
+    assert code == 0 and pool.events("job.released")
+    assert seconds < 10, f"the pool took {seconds:.1f} s to stop"
+    assert again["Attributes"]["ApproximateReceiveCount"] == "1"  # a release is not a failure
+
+
+def _peak_rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    [line] = [x for x in status.splitlines() if x.startswith("VmHWM:")]
+    return int(line.split()[1]) / 1024
+
+
+def _gzip_bomb(good: bytes, giant_mb: int, newlines_mb: int) -> bytes:
+    """``good``, a giant line, a run of newlines, ``good``: gzipped without holding it."""
+    import zlib
+
+    compressor = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    out = [compressor.compress(good + b"\n")]
+    for block, count in ((b"x" * 2**20, giant_mb), (b"\n" * 2**20, newlines_mb)):
+        out += [compressor.compress(block) for _ in range(count)]
+    out += [compressor.compress(good), compressor.flush()]
+    return b"".join(out)
+
+
+BOMB_GIANT_MB, BOMB_NEWLINES_MB, RSS_GROWTH_BOUND_MB = 128, 256, 40
+
+
+async def test_a_gzip_bomb_keeps_worker_memory_bounded_and_the_next_job_is_served(
+    endpoint: str, spawn
+) -> None:
+    good = decision_line(1).encode()
+    bomb = _gzip_bomb(good, BOMB_GIANT_MB, BOMB_NEWLINES_MB)
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await ensure_stack(s3, sqs, stack_settings(endpoint))
+        pool = spawn(WORK, worker_env(endpoint))
+        pool.wait_event("worker.ready")
+        warm = "\n".join(decision_line(i) for i in range(300)).encode()
+        await s3.put_object(Bucket="jobs", Key="incoming/warm.jsonl", Body=warm)
+        [first] = pool.wait_event("job.finished")
+        before = _peak_rss_mb(first["pid"])
+        await s3.put_object(Bucket="jobs", Key="incoming/bomb.jsonl.gz", Body=bomb)
+        second = pool.wait_event("job.finished", count=2, within_s=180)[1]
+        after = _peak_rss_mb(second["pid"])
+        await s3.put_object(Bucket="jobs", Key="incoming/next.jsonl", Body=warm)
+        third = pool.wait_event("job.finished", count=3, within_s=60)[2]
+        keys = await list_keys(s3, "jobs", "results/bomb")
+        records = [json.loads(x) for x in (await read_object(s3, "jobs", keys[0])).splitlines()]
+        await wait_for(lambda: _empty(sqs, stack["queue_url"]))
+        pool.popen.send_signal(signal.SIGTERM)
+        assert pool.popen.wait(30) == 0
+    print(
+        f"bomb: {len(bomb) / 2**20:.2f} MB gzip -> {BOMB_GIANT_MB + BOMB_NEWLINES_MB} MB; "
+        f"worker peak RSS {before:.0f} -> {after:.0f} MB"
+    )
+    assert first["pid"] == second["pid"] == third["pid"]  # the same worker, still serving
+    assert third["lines"] == 300 and third["failed"] == 0
+    assert [(r["line"], "result" in r) for r in records] == [
+        (1, True),
+        (2, False),
+        (BOMB_NEWLINES_MB * 2**20 + 2, True),
+    ]
+    assert records[1]["error"]["code"] == "payload_too_large"
+    assert after - before < RSS_GROWTH_BOUND_MB, (before, after)

@@ -85,9 +85,12 @@ def _result(d: DecisionRequest) -> DecisionResult:
 
 def make_fake_engine(settings: Any = None) -> FakeEngine:
     """Engine factory for worker subprocesses (ARBITER_WORKER_ENGINE_FACTORY): delay from
-    ARBITER_FAKE_DELAY_S, failure from ARBITER_FAKE_FAIL."""
+    ARBITER_FAKE_DELAY_S, failure from ARBITER_FAKE_FAIL; ARBITER_FAKE_CRASH=1 fails to load (the
+    worker process dies at start, as with a missing model)."""
     import os
 
+    if os.environ.get("ARBITER_FAKE_CRASH") == "1":
+        raise RuntimeError("fake engine cannot load")
     return FakeEngine(
         delay_s=float(os.environ.get("ARBITER_FAKE_DELAY_S", "0")),
         fail=os.environ.get("ARBITER_FAKE_FAIL") == "1",

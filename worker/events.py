@@ -118,7 +118,9 @@ def parse_message(body: str, *, bucket: str, input_prefix: str) -> list[JobRef |
     """
     try:
         raw: Any = json.loads(body)
-    except json.JSONDecodeError as exc:
+    except RecursionError as exc:
+        raise UnreadableMessage("message body is nested too deeply to read") from exc
+    except ValueError as exc:  # not JSON, or an integer too long to convert
         raise UnreadableMessage(f"message body is not JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise UnreadableMessage("message body is not a JSON object")
@@ -144,7 +146,7 @@ def parse_message(body: str, *, bucket: str, input_prefix: str) -> list[JobRef |
                 out.append(_accept(ref, bucket, input_prefix))
             return out
         direct = DirectMessage.model_validate(raw)
-    except ValidationError as exc:
+    except (ValidationError, RecursionError, ValueError) as exc:
         raise UnreadableMessage(f"message is not an S3 event or {{bucket, key}}: {exc}") from exc
     ref = JobRef(direct.bucket, direct.key, normalize_etag(direct.etag), direct.version_id)
     return [_accept(ref, bucket, input_prefix)]

@@ -1,40 +1,48 @@
 """One job: stream an input object from S3, score it in chunks, write results and summary back.
 
-The input is read in pieces (gzip decompressed incrementally) and never held whole; lines are parsed
-and scored ``chunk_decisions`` at a time through :meth:`Engine.score`, which groups each chunk's
-decisions by state so every state is prefilled once (and its prefix cache carries a state across
-chunks). Results are spooled to a temporary file, one line per input line in input order, and
-uploaded only when complete (one PutObject, or a completed multipart upload): a worker that dies
-mid-job leaves nothing visible. The summary is written last; its existence marks the job done.
+The input is read in bounded pieces by :mod:`worker.formats` and never held whole; items are scored
+``chunk_decisions`` at a time (or fewer, once a chunk holds ``chunk_mb`` of input) through
+:meth:`Engine.score`, which groups each chunk's decisions by state so every state is prefilled once
+(and its prefix cache carries a state across chunks). Results are spooled to a temporary file, one
+line per input line in input order, and uploaded only when complete (one PutObject, or a completed
+multipart upload): a worker that dies mid-job leaves nothing visible. The summary is written last;
+its existence marks the job done.
+
+Whatever goes wrong with one line, in parsing or in the engine, becomes that line's error record.
+A job fails (and is retried) only for trouble no line causes: S3, or an engine that fails on every
+decision it is given. A job no retry can fix (its input is gone) is rejected.
 """
 
 from __future__ import annotations
 
 import asyncio
-import codecs
+import contextvars
+import hashlib
 import json
 import os
 import socket
 import tempfile
 import time
-import zlib
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import IO, Any, Protocol
 
 from botocore.exceptions import ClientError
-from pydantic import ValidationError
 
-from adapter.errors import ArbiterError, InvalidDecision, MalformedRequest
-from adapter.lines import parse_decision_line, validation_error
+from adapter.errors import ArbiterError, EngineFailure
 from adapter.schema import DecisionRequest, DecisionResult, ModelInfo
 from worker.events import JobRef, normalize_etag
+from worker.formats import PIECE, Item, items_for
 from worker.settings import WorkerSettings
 
-READ_BYTES = 1 << 20
 MiB = 1024 * 1024
+MAX_KEY_BYTES = 1024  # S3's limit on an object key
+_MISSING = {"404", "NoSuchKey", "NotFound", "NoSuchVersion"}
+
+Runner = Callable[..., Awaitable[Any]]
 
 
 class Scorer(Protocol):
@@ -48,7 +56,11 @@ class Scorer(Protocol):
 
 
 class JobFailed(Exception):
-    """The job cannot be completed now (S3 trouble, unreadable gzip...): retried with backoff."""
+    """The job cannot be completed now (S3 trouble, a broken engine): retried with backoff."""
+
+
+class JobRejected(Exception):
+    """No retry can complete the job (its input object is gone): dead-lettered at once."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +71,19 @@ class OutputKeys:
 
 def output_keys(settings: WorkerSettings, key: str, etag: str) -> OutputKeys:
     """``<output-prefix><key without input prefix>.<etag>.results.jsonl`` and ``...summary.json``:
-    the same input version always maps to the same keys, which is what makes redelivery safe."""
+    the same input version always maps to the same keys, which is what makes redelivery safe.
+
+    A name too long for S3's 1,024-byte keys is cut (at a character boundary) and ends in ``~`` and
+    16 hex digits of its SHA-256, so distinct long names keep distinct outputs.
+    """
     name = key.removeprefix(settings.input_prefix)
+    fixed = len(f"{settings.output_prefix}.{etag}.results.jsonl".encode())
+    room = MAX_KEY_BYTES - fixed
+    encoded = name.encode()
+    if len(encoded) > room:
+        digest = hashlib.sha256(encoded).hexdigest()[:16]
+        head = encoded[: max(0, room - len(digest) - 1)].decode("utf-8", "ignore")
+        name = f"{head}~{digest}"
     base = f"{settings.output_prefix}{name}.{etag}"
     return OutputKeys(f"{base}.results.jsonl", f"{base}.summary.json")
 
@@ -82,236 +105,145 @@ class _Tally:
     failed: int = 0
     prompt_tokens: int = 0
     engine_s: float = 0.0
+    engine_ok: int = 0  # decisions the engine answered (a result or a typed error)
+    engine_raised: int = 0  # decisions on which engine.score raised, alone
     codes: Counter[str] = field(default_factory=Counter)
 
 
-# -- reading ---------------------------------------------------------------------------------------
-
-
 async def _raw_chunks(body: Any) -> AsyncIterator[bytes]:
-    while True:
-        chunk = await body.read(READ_BYTES)
-        if not chunk:
-            return
+    while chunk := await body.read(PIECE):
         yield chunk
 
 
-async def _gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Incremental gzip decoding, concatenated members included (``cat a.gz b.gz``)."""
-    decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    in_member = False
+# -- scoring ---------------------------------------------------------------------------------------
+
+
+def thread_runner(executor: Executor) -> Runner:
+    """Engine calls on ``executor``, log context kept. With one thread, calls queue behind one
+    another, so a chunk abandoned mid-computation (its job cancelled) ends before the next starts."""
+
+    async def run(fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(executor, contextvars.copy_context().run, fn, *args)
+
+    return run
+
+
+async def _score_isolated(
+    engine: Scorer, requests: list[DecisionRequest], run: Runner, tally: _Tally
+) -> list[DecisionResult | ArbiterError]:
+    """``engine.score``; if it raises, the batch is split in halves until the decisions that make it
+    raise stand alone, and each of those gets an ``engine_failure`` error."""
     try:
-        async for chunk in chunks:
-            data = chunk
-            while data:
-                in_member = True
-                out = decoder.decompress(data)
-                if out:
-                    yield out
-                if decoder.eof:
-                    in_member = False
-                    data = decoder.unused_data
-                    decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
-                else:
-                    data = b""
-    except zlib.error as exc:
-        raise JobFailed(f"the input is not valid gzip: {exc}") from exc
-    if in_member:
-        raise JobFailed("the gzip input is truncated")
+        outcomes = list(await run(engine.score, requests))
+        if len(outcomes) != len(requests):
+            raise RuntimeError(f"{len(outcomes)} outcomes for {len(requests)} decisions")
+    except Exception as exc:
+        if len(requests) == 1:
+            tally.engine_raised += 1
+            message = f"scoring this decision failed: {type(exc).__name__}: {exc}"
+            return [EngineFailure(message[:2000])]
+        half = len(requests) // 2
+        first = await _score_isolated(engine, requests[:half], run, tally)
+        return first + await _score_isolated(engine, requests[half:], run, tally)
+    tally.engine_ok += len(requests)
+    return outcomes
 
 
-async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[int, bytes]]:
-    """Physical lines, numbered from 1, without their line break."""
-    number = 0
-    pending = b""
-    async for chunk in chunks:
-        pending += chunk
-        *complete, pending = pending.split(b"\n")
-        for line in complete:
-            number += 1
-            yield number, line
-    if pending:
-        yield number + 1, pending
-
-
-Item = tuple[int, DecisionRequest | ArbiterError, Any]
-
-
-def _raw_id(raw: Any) -> Any:
-    return raw.get("id") if isinstance(raw, dict) else None
-
-
-async def jsonl_items(chunks: AsyncIterator[bytes]) -> AsyncIterator[Item]:
-    """One item per non-blank line: the decision, or the typed error that line earned."""
-    async for number, data in _lines(chunks):
-        try:
-            line = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            yield number, MalformedRequest(f"line is not valid UTF-8: {exc}"), None
-            continue
-        if not line.strip():
-            continue
-        try:
-            yield number, parse_decision_line(line), None
-        except ArbiterError as exc:
-            try:
-                raw_id = _raw_id(json.loads(line))
-            except json.JSONDecodeError:
-                raw_id = None
-            yield number, exc, raw_id
-
-
-class _TextStream:
-    """A window of decoded text over the byte stream, for the incremental JSON reader."""
-
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
-        self._chunks = chunks
-        self._decoder = codecs.getincrementaldecoder("utf-8")()
-        self.buf = ""
-        self.pos = 0
-        self.eof = False
-
-    async def more(self) -> bool:
-        if self.eof:
-            return False
-        try:
-            chunk = await anext(self._chunks)
-        except StopAsyncIteration:
-            self.eof = True
-            self.buf = self.buf[self.pos :] + self._decoder.decode(b"", final=True)
-            self.pos = 0
-            return False
-        self.buf = self.buf[self.pos :] + self._decoder.decode(chunk)
-        self.pos = 0
-        return True
-
-    async def skip_ws(self) -> str:
-        """The next non-blank character (not consumed); '' at the end."""
-        while True:
-            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n":
-                self.pos += 1
-            if self.pos < len(self.buf):
-                return self.buf[self.pos]
-            if not await self.more():
-                return ""
-
-    async def expect(self, chars: str) -> str:
-        found = await self.skip_ws()
-        if not found or found not in chars:
-            raise MalformedRequest(f"expected one of {chars!r} at this point, found {found!r}")
-        self.pos += 1
-        return found
-
-    async def value(self) -> Any:
-        """The next complete JSON value. A value must be followed by at least one character (or
-        the end of the stream) so that a number cut at a chunk boundary is never taken whole."""
-        await self.skip_ws()
-        decoder = json.JSONDecoder()
-        while True:
-            try:
-                value, end = decoder.raw_decode(self.buf, self.pos)
-                if end < len(self.buf) or self.eof:
-                    self.pos = end
-                    return value
-            except json.JSONDecodeError as exc:
-                if self.eof:
-                    raise MalformedRequest(f"the document is not valid JSON: {exc}") from exc
-            await self.more()
-
-
-async def json_items(chunks: AsyncIterator[bytes]) -> AsyncIterator[Item]:
-    """``{"decisions": [...]}`` read element by element; ``line`` is the 1-based element index.
-
-    A broken element inside the array ends the document: it becomes one error item and reading
-    stops (what follows cannot be located reliably).
-    """
-    stream = _TextStream(chunks)
-    index = 0  # elements started; an error ends the document at the next line number
-    emitted = 0
-    try:
-        await stream.expect("{")
-        while True:
-            key = await stream.value()
-            await stream.expect(":")
-            if key != "decisions":
-                await stream.value()
-            else:
-                await stream.expect("[")
-                if await stream.skip_ws() == "]":
-                    stream.pos += 1
-                else:
-                    while True:
-                        index += 1
-                        raw = await stream.value()
-                        emitted += 1
-                        yield index, _validate(raw), _raw_id(raw)
-                        if await stream.expect(",]") == "]":
-                            break
-            if await stream.expect(",}") == "}":
-                return
-    except (MalformedRequest, UnicodeDecodeError) as exc:
-        error = exc if isinstance(exc, ArbiterError) else MalformedRequest(str(exc))
-        yield emitted + 1, error, None
-
-
-def _validate(raw: Any) -> DecisionRequest | ArbiterError:
-    if not isinstance(raw, dict):
-        return InvalidDecision("a decision must be a JSON object", code="invalid_type")
-    try:
-        return DecisionRequest.model_validate(raw)
-    except ValidationError as exc:
-        return validation_error(exc)
-
-
-def items_for(key: str, chunks: AsyncIterator[bytes]) -> AsyncIterator[Item]:
-    if key.endswith(".gz"):
-        chunks = _gunzip(chunks)
-        key = key.removesuffix(".gz")
-    return json_items(chunks) if key.endswith(".json") else jsonl_items(chunks)
-
-
-# -- running ---------------------------------------------------------------------------------------
-
-
-def _record(number: int, raw_id: Any, outcome: DecisionResult | ArbiterError) -> dict[str, Any]:
+def _record(number: int, raw_id: Any, outcome: DecisionResult | ArbiterError) -> bytes:
     if isinstance(outcome, ArbiterError):
-        return {"line": number, "id": raw_id, "error": outcome.to_dict()}
-    return {"line": number, "id": outcome.id, "result": outcome.model_dump(mode="json")}
+        record = {"line": number, "id": raw_id, "error": outcome.to_dict()}
+    else:
+        record = {"line": number, "id": outcome.id, "result": outcome.model_dump(mode="json")}
+    return json.dumps(record, allow_nan=False).encode() + b"\n"
+
+
+def _writable(
+    number: int, raw_id: Any, outcome: DecisionResult | ArbiterError
+) -> tuple[bytes, DecisionResult | ArbiterError]:
+    """The record's line, always strict JSON: a result that cannot be written (NaN, say) becomes an
+    ``engine_failure``; an id that cannot (``NaN`` in the input) is left out."""
+    try:
+        return _record(number, raw_id, outcome), outcome
+    except (ValueError, TypeError, RecursionError) as exc:
+        if not isinstance(outcome, ArbiterError):
+            raw_id = outcome.id
+            outcome = EngineFailure(f"the engine's result cannot be written as JSON: {exc}")
+    try:
+        return _record(number, raw_id, outcome), outcome
+    except (ValueError, TypeError, RecursionError):
+        return _record(number, None, outcome), outcome
 
 
 async def _score_chunk(
-    engine: Scorer, chunk: list[Item], out: IO[bytes], tally: _Tally, metrics: Any
+    engine: Scorer, chunk: list[Item], out: IO[bytes], tally: _Tally, metrics: Any, run: Runner
 ) -> None:
-    requests = [item for _, item, _ in chunk if isinstance(item, DecisionRequest)]
+    requests = [item.value for item in chunk if isinstance(item.value, DecisionRequest)]
     started = time.perf_counter()
-    # The model stays off the event loop (heartbeats keep running); to_thread keeps log context.
-    outcomes_list = await asyncio.to_thread(engine.score, requests) if requests else []
-    outcomes = iter(outcomes_list)
+    # The model stays off the event loop (heartbeats keep running).
+    raised_before = tally.engine_raised
+    outcomes = iter(await _score_isolated(engine, requests, run, tally) if requests else [])
     tally.engine_s += time.perf_counter() - started
-    for number, item, raw_id in chunk:
-        outcome = next(outcomes) if isinstance(item, DecisionRequest) else item
-        if isinstance(item, DecisionRequest):
-            raw_id = item.id
+    if requests and tally.engine_ok == 0 and tally.engine_raised - raised_before == len(requests):
+        raise JobFailed(f"the engine failed on every decision so far ({tally.engine_raised})")
+    failed = 0
+    for item in chunk:
+        raw_id = item.raw_id
+        outcome: DecisionResult | ArbiterError = item.value  # type: ignore[assignment]
+        if isinstance(item.value, DecisionRequest):
+            outcome, raw_id = next(outcomes), item.value.id
+        line, outcome = _writable(item.line, raw_id, outcome)
+        out.write(line)
         tally.lines += 1
         if isinstance(outcome, ArbiterError):
-            tally.failed += 1
+            failed += 1
             tally.codes[outcome.code] += 1
         else:
-            tally.ok += 1
             tally.prompt_tokens += outcome.prompt.input_tokens
-        out.write(json.dumps(_record(number, raw_id, outcome)).encode() + b"\n")
+    tally.failed += failed
+    tally.ok += len(chunk) - failed
     if metrics is not None:
-        failed = sum(1 for _, item, _ in chunk if isinstance(item, ArbiterError))
-        failed += sum(1 for o in outcomes_list if isinstance(o, ArbiterError))
         metrics.lines.labels("error").inc(failed)
         metrics.lines.labels("ok").inc(len(chunk) - failed)
+
+
+async def write_records(
+    engine: Scorer,
+    items: AsyncIterator[Item],
+    out: IO[bytes],
+    settings: WorkerSettings,
+    metrics: Any = None,
+    run: Runner | None = None,
+) -> _Tally:
+    """Score ``items`` in chunks and write one record line per item to ``out``, in order."""
+    run = run or asyncio.to_thread
+    tally = _Tally()
+    chunk: list[Item] = []
+    size = 0
+    limit = settings.chunk_mb * MiB
+    async for item in items:
+        chunk.append(item)
+        size += item.size
+        if len(chunk) >= settings.chunk_decisions or size >= limit:
+            await _score_chunk(engine, chunk, out, tally, metrics, run)
+            chunk, size = [], 0
+    if chunk:
+        await _score_chunk(engine, chunk, out, tally, metrics, run)
+    return tally
+
+
+# -- S3 --------------------------------------------------------------------------------------------
+
+
+def _missing(exc: ClientError) -> bool:
+    return exc.response.get("Error", {}).get("Code") in _MISSING
 
 
 async def _exists(s3: Any, bucket: str, key: str) -> bool:
     try:
         await s3.head_object(Bucket=bucket, Key=key)
     except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in {"404", "NoSuchKey", "NotFound"}:
+        if _missing(exc):
             return False
         raise
     return True
@@ -355,18 +287,27 @@ async def _upload(s3: Any, settings: WorkerSettings, key: str, spool: IO[bytes])
 
 
 async def run_job(
-    s3: Any, engine: Scorer, ref: JobRef, settings: WorkerSettings, metrics: Any = None
+    s3: Any,
+    engine: Scorer,
+    ref: JobRef,
+    settings: WorkerSettings,
+    metrics: Any = None,
+    run: Runner | None = None,
 ) -> JobReport:
     """Process one input object; idempotent per (key, ETag). Raises :class:`JobFailed` (or a
-    botocore error) when it should be retried."""
+    botocore error) when it should be retried, :class:`JobRejected` when no retry can help.
+    ``run`` runs engine calls off the event loop (default: ``asyncio.to_thread``)."""
     started = time.perf_counter()
+    where = f"s3://{ref.bucket}/{ref.key}"
     head_kw: dict[str, Any] = {"Bucket": ref.bucket, "Key": ref.key}
     if ref.version_id:
         head_kw["VersionId"] = ref.version_id
     try:
         head = await s3.head_object(**head_kw)
     except ClientError as exc:
-        raise JobFailed(f"cannot read s3://{ref.bucket}/{ref.key}: {exc}") from exc
+        if _missing(exc):
+            raise JobRejected(f"the input {where} no longer exists") from exc
+        raise JobFailed(f"cannot read {where}: {exc}") from exc
     etag = normalize_etag(head["ETag"]) or ""
     if ref.etag and ref.etag != etag:
         # The key was overwritten after this event; the newer version has its own event.
@@ -375,19 +316,16 @@ async def run_job(
     if await _exists(s3, settings.bucket, keys.summary):
         return JobReport("duplicate", ref, keys)
 
-    get_kw = {**head_kw, "IfMatch": f'"{etag}"'}
-    response = await s3.get_object(**get_kw)
-    tally = _Tally()
+    try:
+        response = await s3.get_object(**head_kw, IfMatch=f'"{etag}"')
+    except ClientError as exc:
+        if _missing(exc):
+            raise JobRejected(f"the input {where} no longer exists") from exc
+        raise
     with tempfile.TemporaryFile(dir=settings.tmp_dir) as spool:
         async with response["Body"] as body:
-            chunk: list[Item] = []
-            async for item in items_for(ref.key, _raw_chunks(body)):
-                chunk.append(item)
-                if len(chunk) >= settings.chunk_decisions:
-                    await _score_chunk(engine, chunk, spool, tally, metrics)
-                    chunk = []
-            if chunk:
-                await _score_chunk(engine, chunk, spool, tally, metrics)
+            items = items_for(ref.key, _raw_chunks(body), settings.max_line_bytes)
+            tally = await write_records(engine, items, spool, settings, metrics, run)
         await _upload(s3, settings, keys.results, spool)
     seconds = time.perf_counter() - started
     summary = {

@@ -22,7 +22,7 @@ class WorkerMetrics:
         kw = {"registry": registry}
         self.jobs = Counter(
             "arbiter_worker_jobs_total",
-            "Jobs by outcome (ok, failed, duplicate, superseded, ignored, unreadable).",
+            "Jobs by outcome (ok, failed, rejected, duplicate, superseded, ignored, unreadable).",
             ["outcome"],
             **kw,
         )
@@ -54,8 +54,9 @@ class WorkerMetrics:
         )
         self.dlq_moves = Counter(
             "arbiter_worker_dlq_moves_total",
-            "Messages sent to the dead-letter queue: by the redrive policy after their last "
-            "allowed receive failed (reason=max_receives), or directly (reason=unreadable).",
+            "Messages the worker sent to the dead-letter queue: after their last allowed receive "
+            "failed (reason=max_receives), or at once: not a job (reason=unreadable), or a job no "
+            "retry can fix, such as a deleted input (reason=permanent).",
             ["reason"],
             **kw,
         )

@@ -48,3 +48,44 @@ class DrainDeadline:
 def goes_to_dlq(receive_count: int, max_receive_count: int | None) -> bool:
     """True if this failed receive was the last one SQS allows before the redrive moves it."""
     return max_receive_count is not None and receive_count >= max_receive_count
+
+
+SQS_MAX_VISIBILITY_S = 43_200  # SQS never keeps a message invisible past 12 h from its receive
+
+
+def lease_extension(
+    elapsed_s: float, timeout_s: int, interval_s: float, limit_s: float = SQS_MAX_VISIBILITY_S
+) -> int | None:
+    """Seconds to extend a running job's message by, at a heartbeat ``elapsed_s`` after its receive.
+
+    Never past ``limit_s`` (less one heartbeat of margin). None when the extension could not last
+    until the next heartbeat: the job must stop and give its message back before SQS shows it to
+    another worker anyway.
+    """
+    seconds = min(timeout_s, int(limit_s - elapsed_s - interval_s))
+    return seconds if seconds > interval_s else None
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When the pool restarts a dead worker process, and when it gives up.
+
+    A worker that dies young (before ``reset_s``) adds to its slot's count of crashes in a row;
+    one that ran longer starts the count again. The n-th restart in a row waits
+    ``base_s * 2^(n-1)`` (capped at ``maximum_s``); past ``max_restarts`` the answer is None: a
+    crash loop, which the pool reports by draining and exiting non-zero.
+    """
+
+    base_s: float = 1.0
+    maximum_s: float = 60.0
+    max_restarts: int = 5
+    reset_s: float = 60.0
+
+    def crashes(self, previous: int, lived_s: float) -> int:
+        """The slot's crashes in a row, counting this death."""
+        return 1 if lived_s >= self.reset_s else previous + 1
+
+    def delay(self, crashes: int) -> float | None:
+        if crashes > self.max_restarts:
+            return None
+        return min(self.base_s * 2 ** min(crashes - 1, 30), self.maximum_s)

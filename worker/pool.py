@@ -4,6 +4,10 @@ The pool process loads no model. It starts N worker processes (spawned, so no ll
 ever forked), restarts one that dies, serves the merged Prometheus metrics of all of them, and on
 SIGTERM (or SIGINT) passes SIGTERM on: each worker stops receiving, finishes the job in hand or
 releases its message at the drain deadline, and exits 0; so does the pool.
+
+A worker that keeps dying young (a missing model, a bad configuration) is restarted after doubling
+delays; past ``max_restarts`` in a row the pool drains the others and exits 1, so that the
+orchestrator sees a failed task instead of a pool that restarts a broken worker forever.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 import structlog
 
+from worker.policies import RestartPolicy
 from worker.settings import WorkerSettings
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -131,13 +136,22 @@ async def _worker(settings: WorkerSettings) -> None:
 
 
 class Pool:
-    """N worker processes kept alive until :meth:`stop`."""
+    """N worker processes kept alive until :meth:`stop`, or until one of them crash-loops."""
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self._ctx = multiprocessing.get_context("spawn")
         self._procs: dict[int, Any] = {}
+        self._started_at: dict[int, float] = {}
+        self._crashes: dict[int, int] = {}
+        self._restart_at: dict[int, float] = {}
         self._stopping = asyncio.Event()
+        self.restarts = RestartPolicy(
+            settings.restart_delay_s,
+            settings.restart_max_delay_s,
+            settings.max_restarts,
+            settings.restart_reset_s,
+        )
         self.log = structlog.get_logger("arbiter.pool")
 
     def _start(self, index: int) -> None:
@@ -148,31 +162,38 @@ class Pool:
         )
         proc.start()
         self._procs[index] = proc
+        self._started_at[index] = time.monotonic()
         self.log.info("pool.worker_started", worker=index, worker_pid=proc.pid)
 
     def stop(self) -> None:
         self._stopping.set()
 
     async def run(self) -> int:
+        """Supervise until stopped; 0 after a drain, 1 if a worker crash-looped."""
         from worker.metrics import WorkerMetrics, mark_process_dead
 
         metrics = WorkerMetrics(registry=None)
         for index in range(self.settings.worker_processes):
             self._start(index)
+        status = 0
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), timeout=0.2)
             if self._stopping.is_set():
                 break
-            for index, proc in list(self._procs.items()):
-                if proc.exitcode is None:
-                    continue
-                self.log.error("pool.worker_died", worker=index, exitcode=proc.exitcode)
-                mark_process_dead(proc.pid)
-                metrics.restarts.inc()
-                await asyncio.sleep(self.settings.restart_delay_s)
-                if not self._stopping.is_set():
+            now = time.monotonic()
+            for index, at in list(self._restart_at.items()):
+                if now >= at:
+                    del self._restart_at[index]
+                    metrics.restarts.inc()
                     self._start(index)
+            for index, proc in list(self._procs.items()):
+                if proc.exitcode is None or index in self._restart_at:
+                    continue
+                if not self._died(index, proc, now, mark_process_dead):
+                    status = 1
+                    self._stopping.set()
+                    break
         try:
             await self._shutdown(mark_process_dead)
         finally:
@@ -180,7 +201,33 @@ class Pool:
                 if proc.exitcode is None:
                     proc.kill()
                     proc.join(5)
-        return 0
+        return status
+
+    def _died(self, index: int, proc: Any, now: float, mark_dead: Callable[[int], None]) -> bool:
+        """Schedule the restart of a dead worker; False if it is crash-looping (give up)."""
+        mark_dead(proc.pid)
+        lived = now - self._started_at[index]
+        crashes = self.restarts.crashes(self._crashes.get(index, 0), lived)
+        self._crashes[index] = crashes
+        delay = self.restarts.delay(crashes)
+        self.log.error(
+            "pool.worker_died",
+            worker=index,
+            exitcode=proc.exitcode,
+            lived_s=round(lived, 1),
+            crashes_in_a_row=crashes,
+            restart_in_s=delay,
+        )
+        if delay is None:
+            self.log.error(
+                "pool.crash_loop",
+                worker=index,
+                crashes_in_a_row=crashes,
+                hint="the worker dies at or soon after its start; see its last log lines",
+            )
+            return False
+        self._restart_at[index] = now + delay
+        return True
 
     async def _shutdown(self, mark_dead: Callable[[int], None]) -> None:
         self.log.info("pool.draining", deadline_s=self.settings.drain_deadline_s)
@@ -199,7 +246,8 @@ class Pool:
                 self.log.error("pool.worker_killed", worker=index)
                 proc.kill()
                 proc.join(5)
-            mark_dead(proc.pid)
+            with contextlib.suppress(OSError):
+                mark_dead(proc.pid)
         self.log.info("pool.stopped")
 
 
@@ -219,7 +267,8 @@ async def _serve_metrics(settings: WorkerSettings) -> Any:
 
 
 async def run_pool(settings: WorkerSettings, metrics_dir: Path | None = None) -> int:
-    """Run the pool until SIGTERM/SIGINT; returns the exit status (0 after a drain)."""
+    """Run the pool until SIGTERM/SIGINT; returns the exit status (0 after a drain, 1 after a
+    crash loop)."""
     log = structlog.get_logger("arbiter.pool")
     owned = metrics_dir is None and not os.environ.get(MULTIPROC_ENV)
     if os.environ.get(MULTIPROC_ENV) and metrics_dir is None:

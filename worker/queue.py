@@ -1,11 +1,18 @@
-"""The queue loop of one worker process: receive, heartbeat, ack or back off.
+"""The queue loop of one worker process: receive, keep the lease, ack, back off or dead-letter.
 
 A message is deleted only after every job it announces has its results and summary written (or is
 found already done, superseded, or ignorable). A failed job's message is made visible again after
-a delay that grows with SQS's ``ApproximateReceiveCount``; once the redrive policy's
-``maxReceiveCount`` is spent, SQS itself moves it to the dead-letter queue. While a job runs, a
-heartbeat keeps extending the message's visibility, so a slow job is never handed to a second
-worker; a worker that dies stops the heartbeat, and the message returns after the timeout.
+a delay that grows with its count of failed receives; once the redrive policy's ``maxReceiveCount``
+is spent, the worker moves it to the dead-letter queue. A job no retry can fix (its input is gone)
+and a body that is no job at all go there at their first receive.
+
+While a job runs, its :class:`~worker.lease.Lease` keeps the message invisible, so a slow job is
+never handed to a second worker; when the lease cannot be kept (12-hour limit, extension refused),
+the job is stopped. A worker that dies stops renewing, and the message returns after the timeout.
+
+A message given back unfinished on purpose (the drain deadline of a deploy) is sent again as a new
+message that carries its count of failed receives in a message attribute, so a release never
+counts as a failure: a healthy long job survives any number of deploys.
 """
 
 from __future__ import annotations
@@ -15,18 +22,32 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from worker.events import Ignored, JobRef, UnreadableMessage, parse_message
-from worker.jobs import JobReport, Scorer, run_job
+from worker.jobs import JobFailed, JobRejected, JobReport, Scorer, run_job, thread_runner
+from worker.lease import Lease
 from worker.metrics import WorkerMetrics
-from worker.policies import DrainDeadline, ExponentialBackoff, goes_to_dlq
+from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline, ExponentialBackoff, goes_to_dlq
 from worker.settings import WorkerSettings
 
 log = structlog.get_logger("arbiter.worker")
+
+FAILED_RECEIVES = "ArbiterFailedReceives"  # message attribute: failed receives before a release
+
+
+def receive_count(message: dict[str, Any]) -> int:
+    """This receive's number among the message's tries: SQS's ``ApproximateReceiveCount`` plus the
+    failed receives it carried over from before a release."""
+    count = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
+    carried = message.get("MessageAttributes", {}).get(FAILED_RECEIVES, {}).get("StringValue")
+    with contextlib.suppress(TypeError, ValueError):
+        count += max(0, int(carried))
+    return count
 
 
 @dataclass(frozen=True)
@@ -50,7 +71,12 @@ async def describe_queue(sqs: Any, settings: WorkerSettings) -> QueueInfo:
 
 
 class Consumer:
-    """Receives one message at a time and runs its jobs on ``engine``; see the module doc."""
+    """Receives one message at a time and runs its jobs on ``engine``; see the module doc.
+
+    Engine calls run on one thread of the consumer's own, so that a job cancelled mid-chunk never
+    overlaps the next job's calls, and so that a process exiting after a release does not wait for
+    that chunk (``asyncio.run`` joins only its default executor).
+    """
 
     def __init__(
         self,
@@ -61,6 +87,7 @@ class Consumer:
         queue: QueueInfo,
         metrics: WorkerMetrics | None = None,
         backoff: ExponentialBackoff | None = None,
+        visibility_limit_s: float = SQS_MAX_VISIBILITY_S,
     ) -> None:
         self.settings = settings
         self.s3 = s3
@@ -71,9 +98,11 @@ class Consumer:
         self.backoff = backoff or ExponentialBackoff(
             settings.backoff_base_s, settings.backoff_max_s
         )
+        self.visibility_limit_s = visibility_limit_s
         self.drain = DrainDeadline(settings.drain_deadline_s)
         self._stop = asyncio.Event()
-        self._busy: asyncio.Task[None] | None = None
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="arbiter-engine")
+        self._run_engine = thread_runner(self._engine_thread)
         self.on_job_start: Callable[[JobRef], None] | None = None
 
     def stop(self) -> None:
@@ -84,7 +113,16 @@ class Consumer:
     async def run(self) -> None:
         """Receive and handle messages until :meth:`stop`, then drain."""
         log.info("worker.ready", queue=self.queue.url)
+        try:
+            await self._loop()
+        finally:
+            # An engine call abandoned at the drain deadline may still be computing: not waited for.
+            self._engine_thread.shutdown(wait=False, cancel_futures=True)
+        log.info("worker.stopped")
+
+    async def _loop(self) -> None:
         while not self._stop.is_set():
+            received_at = time.monotonic()  # SQS's 12 h count starts at the receive request
             receive = asyncio.create_task(self._receive())
             stopped = asyncio.create_task(self._stop.wait())
             done, _ = await asyncio.wait({receive, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -94,7 +132,7 @@ class Consumer:
                 receive.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await receive
-                break
+                return
             stopped.cancel()
             try:
                 messages = receive.result()
@@ -104,12 +142,10 @@ class Consumer:
                     await asyncio.wait_for(self._stop.wait(), timeout=1.0)
                 continue
             for message in messages:
-                self._busy = asyncio.create_task(self.handle(message))
-                await self._drain_or_finish(self._busy, message)
-                self._busy = None
+                task = asyncio.create_task(self.handle(message, received_at))
+                await self._drain_or_finish(task, message)
                 if self._stop.is_set():
-                    break
-        log.info("worker.stopped")
+                    return
 
     async def _drain_or_finish(self, task: asyncio.Task[None], message: dict[str, Any]) -> None:
         """Wait for the job; once draining, only until the deadline, then release its message."""
@@ -140,6 +176,7 @@ class Consumer:
             WaitTimeSeconds=self.settings.wait_time_s,
             VisibilityTimeout=self.settings.visibility_timeout_s,
             MessageSystemAttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
+            MessageAttributeNames=[FAILED_RECEIVES],
         )
         messages: list[dict[str, Any]] = response.get("Messages", [])
         now_ms = time.time() * 1000
@@ -149,11 +186,12 @@ class Consumer:
                 self.metrics.receive_latency.observe(max(0.0, (now_ms - int(sent)) / 1000))
         return messages
 
-    async def handle(self, message: dict[str, Any]) -> None:
+    async def handle(self, message: dict[str, Any], received_at: float | None = None) -> None:
         """Run every job the message announces, then delete it; on failure, back off."""
-        receive_count = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
+        received_at = time.monotonic() if received_at is None else received_at
+        count = receive_count(message)
         bound = structlog.contextvars.bound_contextvars(
-            message_id=message.get("MessageId"), receive_count=receive_count
+            message_id=message.get("MessageId"), receive_count=count
         )
         with bound:
             try:
@@ -163,27 +201,56 @@ class Consumer:
                     input_prefix=self.settings.input_prefix,
                 )
             except UnreadableMessage as exc:
-                await self._poison(message, str(exc))
+                log.error("message.unreadable", reason=str(exc))
+                self.metrics.jobs.labels("unreadable").inc()
+                await self._dead_letter(message, "unreadable")
                 return
-            heartbeat = asyncio.create_task(self._heartbeat(message))
+            lease = Lease(
+                self.sqs,
+                self.queue.url,
+                message,
+                self.settings,
+                self.metrics,
+                received_at,
+                self.visibility_limit_s,
+            )
+            keeper = asyncio.create_task(lease.keep())
+            work = asyncio.create_task(self._run_all(entries))
             try:
-                for entry in entries:
-                    if isinstance(entry, Ignored):
-                        log.info("job.ignored", reason=entry.reason)
-                        self.metrics.jobs.labels("ignored").inc()
-                        continue
-                    await self._run(entry)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                heartbeat.cancel()
-                await self._fail(message, receive_count, exc)
-                return
-            finally:
-                heartbeat.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await heartbeat
-            await self._delete(message)
+                await asyncio.wait({keeper, work}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # whichever ends first stops the other (and a cancelled handle stops both)
+                for task in (keeper, work):
+                    task.cancel()
+                for task in (keeper, work):
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+            if work.cancelled():
+                lost = keeper.exception()
+                reason = keeper.result() if lost is None else f"the heartbeat failed: {lost!r}"
+                log.error("job.lease_lost", reason=reason)
+                await self._fail(message, count, JobFailed(reason))
+            elif (error := work.exception()) is not None:
+                await self._fail(message, count, error)
+            elif work.result():
+                await self._dead_letter(message, "permanent")
+            else:
+                await self._delete(message)
+
+    async def _run_all(self, entries: list[JobRef | Ignored]) -> list[str]:
+        """Run the message's jobs in turn; the reasons of those rejected for good."""
+        rejected = []
+        for entry in entries:
+            if isinstance(entry, Ignored):
+                log.info("job.ignored", reason=entry.reason)
+                self.metrics.jobs.labels("ignored").inc()
+                continue
+            try:
+                await self._run(entry)
+            except JobRejected as exc:
+                log.error("job.rejected", key=entry.key, reason=str(exc))
+                self.metrics.jobs.labels("rejected").inc()
+                rejected.append(str(exc))
+        return rejected
 
     async def _run(self, ref: JobRef) -> JobReport:
         started = time.perf_counter()
@@ -191,7 +258,9 @@ class Consumer:
             log.info("job.started")
             if self.on_job_start is not None:
                 self.on_job_start(ref)
-            report = await run_job(self.s3, self.engine, ref, self.settings, self.metrics)
+            report = await run_job(
+                self.s3, self.engine, ref, self.settings, self.metrics, self._run_engine
+            )
             seconds = time.perf_counter() - started
             self.metrics.jobs.labels(report.outcome).inc()
             if report.outcome == "ok":
@@ -207,28 +276,12 @@ class Consumer:
             )
             return report
 
-    async def _heartbeat(self, message: dict[str, Any]) -> None:
-        interval = self.settings.heartbeat_interval_s
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await self.sqs.change_message_visibility(
-                    QueueUrl=self.queue.url,
-                    ReceiptHandle=message["ReceiptHandle"],
-                    VisibilityTimeout=self.settings.visibility_timeout_s,
-                )
-            except Exception as exc:  # the next beat may succeed; the job goes on
-                log.warning("visibility.extend_failed", error=str(exc))
-                continue
-            self.metrics.visibility_extensions.inc()
-            log.debug("visibility.extended", seconds=self.settings.visibility_timeout_s)
-
     async def _delete(self, message: dict[str, Any]) -> None:
         await asyncio.shield(
             self.sqs.delete_message(QueueUrl=self.queue.url, ReceiptHandle=message["ReceiptHandle"])
         )
 
-    async def _fail(self, message: dict[str, Any], receive_count: int, exc: Exception) -> None:
+    async def _fail(self, message: dict[str, Any], receive_count: int, exc: BaseException) -> None:
         delay = self.backoff.delay(receive_count)
         to_dlq = goes_to_dlq(receive_count, self.queue.max_receive_count)
         self.metrics.jobs.labels("failed").inc()
@@ -238,15 +291,34 @@ class Consumer:
             retry_in_s=delay,
             dead_letter=to_dlq,
         )
-        if to_dlq:
-            # SQS moves it on its next receive; make that happen now rather than after a backoff.
-            self.metrics.dlq_moves.labels("max_receives").inc()
-            delay = 0
+        if to_dlq and self.queue.dlq_url:
+            # Moved by the worker, not left to the redrive policy: the count includes failed
+            # receives carried over from before a release, which SQS's own count does not.
+            await self._dead_letter(message, "max_receives")
+            return
         await self._set_visibility(message, delay)
 
     async def _release(self, message: dict[str, Any]) -> None:
-        """Give the message back at once (drain deadline passed): another worker takes it."""
-        await self._set_visibility(message, 0)
+        """Give the message back at once (drain deadline passed) for another worker: sent again as
+        a new message carrying its failed receives, then deleted, so the release is not counted as
+        a receive that failed. If the copy cannot be sent, it is made visible instead."""
+        failed = receive_count(message) - 1
+        try:
+            await asyncio.shield(
+                self.sqs.send_message(
+                    QueueUrl=self.queue.url,
+                    MessageBody=message["Body"],
+                    MessageAttributes={
+                        FAILED_RECEIVES: {"DataType": "Number", "StringValue": str(failed)}
+                    },
+                )
+            )
+        except Exception as exc:
+            log.warning("release.resend_failed", error=f"{type(exc).__name__}: {exc}")
+            await self._set_visibility(message, 0)
+        else:
+            with contextlib.suppress(Exception):  # a copy left over is a harmless duplicate
+                await self._delete(message)
         log.info("job.released")
 
     async def _set_visibility(self, message: dict[str, Any], seconds: int) -> None:
@@ -261,11 +333,11 @@ class Consumer:
         except Exception as exc:  # it still returns after its visibility timeout
             log.warning("visibility.change_failed", error=str(exc))
 
-    async def _poison(self, message: dict[str, Any], reason: str) -> None:
-        """A message no retry can fix: straight to the DLQ when there is one, then deleted."""
-        log.error("message.unreadable", reason=reason, dead_letter=bool(self.queue.dlq_url))
-        self.metrics.jobs.labels("unreadable").inc()
+    async def _dead_letter(self, message: dict[str, Any], reason: str) -> None:
+        """To the DLQ at once when there is one (then deleted): a message no retry can fix, or
+        one out of tries. Without a DLQ, a message no retry can fix is dropped (and logged)."""
         if self.queue.dlq_url:
             await self.sqs.send_message(QueueUrl=self.queue.dlq_url, MessageBody=message["Body"])
-            self.metrics.dlq_moves.labels("unreadable").inc()
+            self.metrics.dlq_moves.labels(reason).inc()
+        log.error("message.dead_lettered", reason=reason, dlq=bool(self.queue.dlq_url))
         await self._delete(message)

@@ -31,7 +31,12 @@ class WorkerSettings(BaseSettings):
     aws_region: str = Field(default="us-east-1", description="Region of the bucket and queues.")
     bucket: str = Field(default="arbiter-jobs", min_length=3, description="Job bucket.")
     input_prefix: str = Field(default="incoming/", description="Jobs are dropped under this.")
-    output_prefix: str = Field(default="results/", min_length=1, description="Results go here.")
+    output_prefix: str = Field(
+        default="results/",
+        min_length=1,
+        max_length=512,
+        description="Results go here (output keys must fit S3's 1,024 bytes).",
+    )
     queue_name: str = Field(default="arbiter-jobs", description="Queue of S3 notifications.")
     queue_url: str | None = Field(
         default=None, description="Queue URL; unset: looked up from queue_name."
@@ -54,6 +59,14 @@ class WorkerSettings(BaseSettings):
     chunk_decisions: int = Field(
         default=256, ge=1, description="Lines parsed and scored per engine call (bounds memory)."
     )
+    chunk_mb: float = Field(
+        default=16.0, gt=0, description="A chunk is scored early once its lines hold this much."
+    )
+    max_line_bytes: int = Field(
+        default=6 * 1024 * 1024,
+        ge=256,
+        description="Longest job line or .json element; a longer one is a payload_too_large line.",
+    )
     wait_time_s: int = Field(default=20, ge=0, le=20, description="SQS long-poll wait.")
     visibility_timeout_s: int = Field(
         default=60, ge=1, le=43_200, description="Visibility a job message is given (and renewed)."
@@ -71,7 +84,21 @@ class WorkerSettings(BaseSettings):
         default=25.0, ge=0, description="On SIGTERM: time to finish the job in hand, then release."
     )
     restart_delay_s: float = Field(
-        default=1.0, ge=0, description="Wait before restarting a worker process that died."
+        default=1.0, ge=0, description="Wait before restarting a worker process that died; doubles."
+    )
+    restart_max_delay_s: float = Field(
+        default=60.0, ge=0, description="Longest wait before a restart (the doubling's cap)."
+    )
+    restart_reset_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="A worker that ran this long before dying starts a new count of restarts.",
+    )
+    max_restarts: int = Field(
+        default=5,
+        ge=0,
+        description="Restarts in a row of a worker that keeps dying young; one more death and "
+        "the pool drains and exits 1 (a crash loop is for the orchestrator to see).",
     )
     multipart_threshold_mb: float = Field(
         default=16.0, ge=0, description="Results larger than this are uploaded in parts."
@@ -94,6 +121,16 @@ class WorkerSettings(BaseSettings):
             raise ValueError(
                 f"output_prefix {b!r} and input_prefix {a!r} overlap: results would be "
                 "picked up as new jobs"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _heartbeat_within_visibility(self) -> WorkerSettings:
+        if self.heartbeat_s is not None and self.heartbeat_s > self.visibility_timeout_s / 2:
+            raise ValueError(
+                f"heartbeat_s ({self.heartbeat_s:g}) must be at most half of visibility_timeout_s "
+                f"({self.visibility_timeout_s}): a late or failed renewal would let a second "
+                "worker take a running job"
             )
         return self
 

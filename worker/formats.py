@@ -1,0 +1,408 @@
+"""Job formats: the bytes of an input object -> numbered items, each a decision or the typed error
+that its line (JSON Lines) or element (``{"decisions": [...]}``) earned.
+
+Memory stays bounded whatever the input. Gzip is inflated at most :data:`PIECE` bytes at a time, so a
+gzip bomb is only a long stream. Each byte is scanned once: runs of blank lines are skipped in C, and
+a line or element longer than ``max_item_bytes`` is dropped as it streams by and becomes one
+``payload_too_large`` item. Whatever is wrong inside one line is that line's error item: bad UTF-8,
+bad JSON, nesting too deep for the parser, an integer too long to convert, a schema error. Only a
+broken stream ends the input early, with one error item: corrupt or truncated gzip, or a ``.json``
+document whose structure breaks (a missing comma, an unterminated element).
+
+The readers are async iterators of bounded items, so a job can also be read in shards.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+import zlib
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
+
+from pydantic import ValidationError
+
+from adapter.errors import ArbiterError, InvalidDecision, MalformedRequest, PayloadTooLarge
+from adapter.lines import validation_error
+from adapter.schema import DecisionRequest
+
+PIECE = 1 << 20  # bytes read from S3, or inflated from gzip, at a time
+DEFAULT_MAX_ITEM = 6 << 20  # as the adapter's largest JSON body
+
+_BLANKS = re.compile(rb"[ \t\r\n\x0b\x0c]+")
+_WS = re.compile(rb"[ \t\r\n]*")
+_PLAIN = re.compile(rb'[^"\[\]{}]*')  # inside a container, up to the next structural byte
+_STRING = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)  # a string body, escapes included
+_OPENS = re.compile(rb"[\[{]+")
+_CLOSES = re.compile(rb"[\]}]+")
+_SCALAR = re.compile(rb"[^,\]}\s]*")
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_OPENERS = b"[{"
+
+
+class Item(NamedTuple):
+    """One line (or element) of a job: its 1-based number, what it holds, its raw ``id`` (kept
+    for an error record), and its size in bytes (for bounding a chunk)."""
+
+    line: int
+    value: DecisionRequest | ArbiterError
+    raw_id: Any = None
+    size: int = 0
+
+
+class CorruptInput(Exception):
+    """The byte stream itself is broken (gzip): the input ends with one error item."""
+
+
+# -- bytes -----------------------------------------------------------------------------------------
+
+
+async def gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Inflate in pieces of at most :data:`PIECE` bytes, concatenated members included."""
+    decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    in_member = False
+    try:
+        async for chunk in chunks:
+            data = chunk
+            while True:
+                in_member = in_member or bool(data)
+                out = decoder.decompress(data, PIECE)
+                if out:
+                    yield out
+                if decoder.eof:  # a member ended; another may follow (`cat a.gz b.gz`)
+                    in_member = False
+                    data = decoder.unused_data
+                    decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
+                    if not data:
+                        break
+                elif decoder.unconsumed_tail:
+                    data = decoder.unconsumed_tail
+                elif len(out) == PIECE:
+                    data = b""  # the input is used up, but zlib may still hold output
+                else:
+                    break
+    except zlib.error as exc:
+        raise CorruptInput(f"the input is not valid gzip: {exc}") from exc
+    if in_member:
+        raise CorruptInput("the gzip input is truncated")
+
+
+async def _without_bom(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Drop a UTF-8 byte order mark at the very start (editors on Windows write one)."""
+    head = b""
+    started = False
+    async for chunk in chunks:
+        if started:
+            yield chunk
+            continue
+        head += chunk
+        if len(head) < len(codecs.BOM_UTF8) and codecs.BOM_UTF8.startswith(head):
+            continue  # too short to tell yet
+        started = True
+        if rest := head.removeprefix(codecs.BOM_UTF8):
+            yield rest
+    if not started and head:
+        yield head
+
+
+def _too_large(what: str, limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the {what} is over {limit:,} bytes (ARBITER_MAX_LINE_BYTES)")
+
+
+def _corrupt(exc: CorruptInput) -> MalformedRequest:
+    return MalformedRequest(f"{exc}; nothing after this point was read", code="invalid_gzip")
+
+
+# -- one line or element ---------------------------------------------------------------------------
+
+
+def decode_item(line: int, data: bytes, what: str = "line") -> Item:
+    """The decision in one line's bytes, or the error that explains why there is none."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return Item(line, MalformedRequest(f"the {what} is not valid UTF-8: {exc}"), None, len(data))
+    try:
+        raw = json.loads(text)
+    except RecursionError:
+        error = MalformedRequest(f"the {what} is nested too deeply to read")
+        return Item(line, error, None, len(data))
+    except ValueError as exc:  # JSONDecodeError, or an integer too long to convert
+        return Item(line, MalformedRequest(f"the {what} is not valid JSON: {exc}"), None, len(data))
+    raw_id = raw.get("id") if isinstance(raw, dict) else None
+    return Item(line, validate(raw), raw_id, len(data))
+
+
+def validate(raw: Any) -> DecisionRequest | ArbiterError:
+    """A parsed JSON value as a decision, or the typed error naming the offending field."""
+    if not isinstance(raw, dict):
+        return InvalidDecision("a decision must be a JSON object", code="invalid_type")
+    try:
+        return DecisionRequest.model_validate(raw)
+    except ValidationError as exc:
+        return validation_error(exc)
+    except Exception as exc:  # a validator tripped over its input (depth, size): still this line's
+        return InvalidDecision(f"the decision cannot be validated: {type(exc).__name__}: {exc}")
+
+
+# -- JSON Lines ------------------------------------------------------------------------------------
+
+
+async def lines(
+    chunks: AsyncIterator[bytes], max_line: int = DEFAULT_MAX_ITEM
+) -> AsyncIterator[tuple[int, bytes | ArbiterError]]:
+    """Non-blank physical lines numbered from 1, without their line break; a line over
+    ``max_line`` bytes is skipped unread and given as :class:`PayloadTooLarge`."""
+    number = 0  # lines completed
+    buf = bytearray()  # the start of the current line
+    skipping = False  # the current line is over the limit: its bytes are dropped
+    try:
+        async for piece in chunks:
+            start, end = 0, len(piece)
+            while start < end:
+                if not buf and not skipping and (blank := _BLANKS.match(piece, start)):
+                    number += piece.count(b"\n", start, blank.end())
+                    start = blank.end()
+                    continue
+                newline = piece.find(b"\n", start)
+                if newline < 0:
+                    break
+                number += 1
+                if skipping or len(buf) + newline - start > max_line:
+                    yield number, _too_large("line", max_line)
+                else:
+                    buf += piece[start:newline]
+                    if buf.strip():
+                        yield number, bytes(buf)
+                buf.clear()
+                skipping = False
+                start = newline + 1
+            if start < end and not skipping:
+                if len(buf) + end - start > max_line:
+                    buf.clear()
+                    skipping = True
+                else:
+                    buf += piece[start:end]
+    except CorruptInput as exc:
+        yield number + 1, _corrupt(exc)
+        return
+    if skipping:
+        yield number + 1, _too_large("line", max_line)
+    elif buf.strip():
+        yield number + 1, bytes(buf)
+
+
+async def jsonl_items(
+    chunks: AsyncIterator[bytes], max_line: int = DEFAULT_MAX_ITEM
+) -> AsyncIterator[Item]:
+    """One item per non-blank line: the decision, or the typed error that line earned."""
+    async for number, data in lines(chunks, max_line):
+        if isinstance(data, ArbiterError):
+            yield Item(number, data)
+        else:
+            yield decode_item(number, data)
+
+
+# -- one JSON document -----------------------------------------------------------------------------
+
+
+class _Document:
+    """A byte window over a streamed JSON document, with a scanner that finds where each value
+    ends (tracking strings and bracket depth, not building anything) in one pass."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], max_item: int) -> None:
+        self._chunks = chunks
+        self.max_item = max_item
+        self.buf = bytearray()
+        self.pos = 0
+
+    async def _more(self) -> bool:
+        try:
+            piece = await anext(self._chunks)
+        except StopAsyncIteration:
+            return False
+        self.buf += piece
+        return True
+
+    def _drop(self, upto: int) -> int:
+        """Forget the bytes before ``upto``; returns how far positions moved."""
+        del self.buf[:upto]
+        self.pos = max(0, self.pos - upto)
+        return upto
+
+    async def peek(self) -> int | None:
+        """The next non-blank byte (not consumed); None at the end of the document."""
+        while True:
+            self.pos = _WS.match(self.buf, self.pos).end()  # type: ignore[union-attr]
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            self._drop(self.pos)
+            if not await self._more():
+                return None
+
+    async def expect(self, chars: bytes, where: str) -> int:
+        found = await self.peek()
+        if found is None or found not in chars:
+            shown = "the end of the document" if found is None else repr(chr(found))
+            options = " or ".join(repr(chr(c)) for c in chars)
+            raise MalformedRequest(f"the document is not valid JSON: expected {options} {where}, found {shown}")
+        self.pos += 1
+        return found
+
+    async def value(self, keep: bool = True) -> bytes | None:
+        """The next JSON value's bytes; None if it is over ``max_item`` or ``keep`` is False (its
+        bytes are dropped as they are scanned). The value is checked only for where it ends."""
+        if await self.peek() is None:
+            raise MalformedRequest("the document is not valid JSON: it ends where a value was expected")
+        first = self.buf[self.pos]
+        scan = self.pos
+        depth = 0
+        in_string = first == _QUOTE
+        if in_string:
+            scan += 1
+        elif first not in _OPENERS:
+            return await self._scalar(keep)
+        while True:
+            scan, done, depth, in_string = _scan(self.buf, scan, depth, in_string)
+            if done:
+                return self._take(scan, keep)
+            if scan - self.pos > self.max_item:
+                keep = False
+            scan -= self._drop(scan if not keep else self.pos)
+            if not keep:
+                self.pos = 0
+            if not await self._more():
+                raise MalformedRequest("the document is not valid JSON: it ends inside a value")
+
+    def _take(self, end: int, keep: bool) -> bytes | None:
+        data = bytes(self.buf[self.pos : end]) if keep and end - self.pos <= self.max_item else None
+        self.pos = end
+        return data
+
+    async def _scalar(self, keep: bool) -> bytes | None:
+        scan = self.pos
+        while True:
+            scan = _SCALAR.match(self.buf, scan).end()  # type: ignore[union-attr]
+            if scan < len(self.buf):
+                return self._take(scan, keep)
+            if scan - self.pos > self.max_item:
+                keep = False
+            scan -= self._drop(scan if not keep else self.pos)
+            if not keep:
+                self.pos = 0
+            if not await self._more():
+                raise MalformedRequest("the document is not valid JSON: it ends inside a value")
+
+
+def _scan(buf: bytearray, scan: int, depth: int, in_string: bool) -> tuple[int, bool, int, bool]:
+    """Advance over a value's bytes from ``scan``: (position, ended, depth, inside a string). Runs of
+    plain bytes, escapes and brackets are matched by regular expressions, not byte by byte."""
+    end = len(buf)
+    while scan < end:
+        if in_string:
+            scan = _STRING.match(buf, scan).end()  # type: ignore[union-attr]
+            if scan >= end or buf[scan] == _BACKSLASH:  # a lone backslash ends the piece
+                break
+            scan += 1
+            in_string = False
+            if depth == 0:
+                return scan, True, 0, False
+            continue
+        scan = _PLAIN.match(buf, scan).end()  # type: ignore[union-attr]
+        if scan >= end:
+            break
+        byte = buf[scan]
+        if byte == _QUOTE:
+            in_string = True
+            scan += 1
+        elif byte in _OPENERS:
+            run = _OPENS.match(buf, scan).end()  # type: ignore[union-attr]
+            depth += run - scan
+            scan = run
+        else:
+            run = _CLOSES.match(buf, scan).end()  # type: ignore[union-attr]
+            if run - scan >= depth:
+                return scan + depth, True, 0, False
+            depth -= run - scan
+            scan = run
+    return scan, False, depth, in_string
+
+
+async def json_items(
+    chunks: AsyncIterator[bytes], max_item: int = DEFAULT_MAX_ITEM
+) -> AsyncIterator[Item]:
+    """``{"decisions": [...]}`` read element by element; ``line`` is the 1-based element index.
+
+    An element that is not a valid decision (bad JSON inside, too deep, too large) is its own error
+    item and reading goes on. A break in the document's own structure ends it: one error item at
+    the next index, and reading stops (what follows cannot be located reliably).
+    """
+    doc = _Document(chunks, max_item)
+    emitted = 0
+    found = False
+    try:
+        await doc.expect(b"{", "at the start")
+        if await doc.peek() == ord("}"):
+            doc.pos += 1
+        else:
+            while True:
+                key = _key(await doc.value())
+                await doc.expect(b":", "after a key")
+                if key != "decisions":
+                    await doc.value(keep=False)
+                else:
+                    found = True
+                    async for item in _elements(doc, emitted):
+                        emitted = item.line
+                        yield item
+                if await doc.expect(b",}", "after a value") == ord("}"):
+                    break
+        if await doc.peek() is not None:
+            raise MalformedRequest("the document is not valid JSON: content after its end")
+        if not found:
+            yield Item(1, MalformedRequest('the document has no "decisions" array', param="decisions"))
+    except MalformedRequest as exc:
+        yield Item(emitted + 1, exc)
+    except CorruptInput as exc:
+        yield Item(emitted + 1, _corrupt(exc))
+
+
+def _key(data: bytes | None) -> str:
+    try:
+        key = json.loads((data or b"").decode("utf-8"))
+    except (ValueError, RecursionError):
+        key = None
+    if not isinstance(key, str):
+        raise MalformedRequest("the document is not valid JSON: expected a string key")
+    return key
+
+
+async def _elements(doc: _Document, emitted: int) -> AsyncIterator[Item]:
+    await doc.expect(b"[", 'after "decisions":')
+    if await doc.peek() == ord("]"):
+        doc.pos += 1
+        return
+    index = emitted
+    while True:
+        index += 1
+        data = await doc.value()
+        if data is None:
+            yield Item(index, _too_large("element", doc.max_item), None, doc.max_item)
+        else:
+            yield decode_item(index, data, "element")
+        if await doc.expect(b",]", "after an element") == ord("]"):
+            return
+
+
+def items_for(
+    key: str, chunks: AsyncIterator[bytes], max_item_bytes: int = DEFAULT_MAX_ITEM
+) -> AsyncIterator[Item]:
+    """The items of a job object, by its key's suffix (``.jsonl``/``.json``, optionally ``.gz``)."""
+    if key.endswith(".gz"):
+        chunks = gunzip(chunks)
+        key = key.removesuffix(".gz")
+    chunks = _without_bom(chunks)
+    if key.endswith(".json"):
+        return json_items(chunks, max_item_bytes)
+    return jsonl_items(chunks, max_item_bytes)

@@ -1,0 +1,83 @@
+"""Keeping a job's message invisible while the job runs, and noticing when that is no longer possible.
+
+A heartbeat extends the message's visibility every ``heartbeat_interval_s``. The lease is lost, and
+the job must stop, when SQS refuses an extension (the message was deleted, or its receipt handle is
+stale because another worker received it), when renewals keep failing until the visibility runs
+out, or when the next extension would cross SQS's 12-hour limit counted from the receive. In each
+case SQS will show the message to another worker, so going on would process the job twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import structlog
+from botocore.exceptions import ClientError
+
+from worker.metrics import WorkerMetrics
+from worker.policies import SQS_MAX_VISIBILITY_S, lease_extension
+from worker.settings import WorkerSettings
+
+log = structlog.get_logger("arbiter.worker")
+
+# Answers that mean the message is no longer ours to extend (not throttling or a server error).
+_REFUSED = {"ReceiptHandleIsInvalid", "InvalidParameterValue", "MessageNotInflight"}
+
+
+class Lease:
+    """The visibility of one received message; :meth:`keep` runs beside its job."""
+
+    def __init__(
+        self,
+        sqs: Any,
+        queue_url: str,
+        message: dict[str, Any],
+        settings: WorkerSettings,
+        metrics: WorkerMetrics,
+        received_at: float,
+        limit_s: float = SQS_MAX_VISIBILITY_S,
+    ) -> None:
+        self.sqs = sqs
+        self.queue_url = queue_url
+        self.receipt = message["ReceiptHandle"]
+        self.settings = settings
+        self.metrics = metrics
+        self.received_at = received_at
+        self.limit_s = limit_s
+        self.until = received_at + settings.visibility_timeout_s
+
+    async def keep(self) -> str:
+        """Renew until cancelled; returns only when the lease is lost, saying why."""
+        interval = self.settings.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            seconds = lease_extension(
+                now - self.received_at, self.settings.visibility_timeout_s, interval, self.limit_s
+            )
+            if seconds is None:
+                return (
+                    f"the job reached SQS's {self.limit_s / 3600:g} h visibility limit; split it "
+                    "into smaller jobs"
+                )
+            try:
+                await self.sqs.change_message_visibility(
+                    QueueUrl=self.queue_url, ReceiptHandle=self.receipt, VisibilityTimeout=seconds
+                )
+            except ClientError as exc:
+                code = exc.response.get("Error", {}).get("Code", "")
+                if code in _REFUSED:
+                    return f"SQS refused to extend the message's visibility ({code})"
+                error = str(exc)
+            except Exception as exc:  # a network blip: the next beat may succeed
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                self.until = now + seconds
+                self.metrics.visibility_extensions.inc()
+                log.debug("visibility.extended", seconds=seconds)
+                continue
+            log.warning("visibility.extend_failed", error=error)
+            if time.monotonic() + interval >= self.until:
+                return f"the message's visibility ran out while renewals failed ({error})"
