@@ -31,7 +31,7 @@ SETTINGS = WorkerSettings(max_line_bytes=MAX_LINE, chunk_decisions=7)
 BLANK = b" \t\r\n\x0b\x0c"
 
 quick = settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
 )
 long = settings(
     max_examples=10_000,

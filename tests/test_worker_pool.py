@@ -156,10 +156,12 @@ async def test_sigkill_mid_job_is_redone_with_exactly_one_output(endpoint: str, 
         [started] = pool.wait_event("job.started")
         await asyncio.sleep(1)
         os.kill(started["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
         assert await list_keys(s3, "jobs", "results/") == []  # nothing partial is visible
 
         pool.wait_event("pool.worker_died")
         redone = pool.wait_event("job.started", count=2, within_s=30)[1]
+        print(f"redelivered {time.monotonic() - killed_at:.1f} s after the kill (visibility 3 s)")
         assert redone["pid"] != started["pid"] and redone["receive_count"] == 2
         pool.wait_event("job.finished", within_s=30)
         await wait_for(lambda: _empty(sqs, stack["queue_url"]))
@@ -294,6 +296,7 @@ async def test_drain_deadline_exits_without_waiting_for_the_running_chunk(
         code = await asyncio.to_thread(pool.popen.wait, 30)
         seconds = time.monotonic() - started
         [again] = await receive_all(sqs, stack["queue_url"], wait=1)  # released for another worker
+    print(f"pool exited {seconds:.1f} s after SIGTERM (drain deadline 0.5 s, engine call 60 s)")
     assert code == 0 and pool.events("job.released")
     assert seconds < 10, f"the pool took {seconds:.1f} s to stop"
     assert again["Attributes"]["ApproximateReceiveCount"] == "1"  # a release is not a failure
@@ -345,7 +348,7 @@ async def test_a_gzip_bomb_keeps_worker_memory_bounded_and_the_next_job_is_serve
         assert pool.popen.wait(30) == 0
     print(
         f"bomb: {len(bomb) / 2**20:.2f} MB gzip -> {BOMB_GIANT_MB + BOMB_NEWLINES_MB} MB; "
-        f"worker peak RSS {before:.0f} -> {after:.0f} MB"
+        f"read in {second['seconds']:.1f} s; worker peak RSS {before:.0f} -> {after:.0f} MB"
     )
     assert first["pid"] == second["pid"] == third["pid"]  # the same worker, still serving
     assert third["lines"] == 300 and third["failed"] == 0
