@@ -133,7 +133,9 @@ async def test_a_deeply_nested_line_is_one_error_line_in_a_successful_job(endpoi
         (4, False),
         (5, True),
     ]
-    assert records[1]["error"]["code"] == "invalid_json" and "nested" in records[1]["error"]["message"]
+    assert (
+        records[1]["error"]["code"] == "invalid_json" and "nested" in records[1]["error"]["message"]
+    )
     assert sample(registry, "arbiter_worker_jobs_total", outcome="ok") == 1
 
 
@@ -151,7 +153,9 @@ async def test_a_refused_heartbeat_stops_the_job(endpoint: str) -> None:
         task = asyncio.create_task(consumer.handle(message))
         await asyncio.to_thread(engine.started.wait, 10)
         # Someone else (an operator, a second worker after a lost lease) deleted the message.
-        await sqs.delete_message(QueueUrl=stack["queue_url"], ReceiptHandle=message["ReceiptHandle"])
+        await sqs.delete_message(
+            QueueUrl=stack["queue_url"], ReceiptHandle=message["ReceiptHandle"]
+        )
         await asyncio.wait_for(task, 5)  # well before the job's ~10 s
         assert await list_keys(s3, "jobs", "results/") == []
     assert engine.calls < 6
@@ -187,7 +191,9 @@ async def test_drain_releases_do_not_count_as_failed_receives(endpoint: str) -> 
         stack = await ensure_stack(s3, sqs, settings)
         await receive_all(sqs, stack["queue_url"])
         await sqs.purge_queue(QueueUrl=stack["queue_url"])
-        await s3.put_object(Bucket="jobs", Key="incoming/deploys.jsonl", Body=decision_line(1).encode())
+        await s3.put_object(
+            Bucket="jobs", Key="incoming/deploys.jsonl", Body=decision_line(1).encode()
+        )
         for _ in range(3):  # three deploys, each interrupting the job
             engine = FakeEngine(delay_s=3.0)
             consumer, _ = await _consumer(settings, s3, sqs, engine)

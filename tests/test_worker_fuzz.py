@@ -56,7 +56,9 @@ def _decision(id_: str, state: Any, question: str = "Route?") -> dict[str, Any]:
 good_decisions = st.builds(_decision, texts, texts, texts)
 json_values = st.recursive(
     st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 

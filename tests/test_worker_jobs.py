@@ -196,3 +196,25 @@ async def test_overwritten_input_is_superseded(endpoint: str) -> None:
         report = await run_job(s3, engine, stale, settings)
         assert report.outcome == "superseded" and engine.calls == 0
         assert await list_keys(s3, "jobs", "results/") == []
+
+
+async def test_a_lone_surrogate_line_is_one_error_line_with_the_real_engine(
+    endpoint: str, engine: Engine
+) -> None:
+    # Whether the schema or the engine refuses it, it must not fail the job or the lines around it.
+    settings = settings_for(endpoint)
+    lines = [
+        decision_line(1, STATE_A),
+        decision_line(2, "Order \\ud800 arrived broken.").replace("\\\\ud800", "\\ud800"),
+        decision_line(3, STATE_A, "Escalate?"),
+    ]
+    assert "\\ud800" in lines[1]
+    async with aws_clients(endpoint) as (s3, sqs):
+        await ensure_stack(s3, sqs, settings)
+        await s3.put_object(Bucket="jobs", Key="incoming/s.jsonl", Body="\n".join(lines).encode())
+        report = await run_job(s3, engine, JobRef("jobs", "incoming/s.jsonl"), settings)
+        assert report.outcome == "ok" and report.keys
+        out = [
+            json.loads(x) for x in (await read_object(s3, "jobs", report.keys.results)).splitlines()
+        ]
+    assert [("result" in o, o["id"]) for o in out] == [(True, "d1"), (False, "d2"), (True, "d3")]

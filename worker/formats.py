@@ -122,7 +122,9 @@ def decode_item(line: int, data: bytes, what: str = "line") -> Item:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return Item(line, MalformedRequest(f"the {what} is not valid UTF-8: {exc}"), None, len(data))
+        return Item(
+            line, MalformedRequest(f"the {what} is not valid UTF-8: {exc}"), None, len(data)
+        )
     try:
         raw = json.loads(text)
     except RecursionError:
@@ -246,7 +248,9 @@ class _Document:
         if found is None or found not in chars:
             shown = "the end of the document" if found is None else repr(chr(found))
             options = " or ".join(repr(chr(c)) for c in chars)
-            raise MalformedRequest(f"the document is not valid JSON: expected {options} {where}, found {shown}")
+            raise MalformedRequest(
+                f"the document is not valid JSON: expected {options} {where}, found {shown}"
+            )
         self.pos += 1
         return found
 
@@ -254,7 +258,9 @@ class _Document:
         """The next JSON value's bytes; None if it is over ``max_item`` or ``keep`` is False (its
         bytes are dropped as they are scanned). The value is checked only for where it ends."""
         if await self.peek() is None:
-            raise MalformedRequest("the document is not valid JSON: it ends where a value was expected")
+            raise MalformedRequest(
+                "the document is not valid JSON: it ends where a value was expected"
+            )
         first = self.buf[self.pos]
         scan = self.pos
         depth = 0
@@ -361,7 +367,9 @@ async def json_items(
         if await doc.peek() is not None:
             raise MalformedRequest("the document is not valid JSON: content after its end")
         if not found:
-            yield Item(1, MalformedRequest('the document has no "decisions" array', param="decisions"))
+            yield Item(
+                1, MalformedRequest('the document has no "decisions" array', param="decisions")
+            )
     except MalformedRequest as exc:
         yield Item(emitted + 1, exc)
     except CorruptInput as exc:
