@@ -19,38 +19,40 @@ class WorkerMetrics:
     go to files that the pool's collector reads); tests pass their own registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        kw = {"registry": registry}
         self.jobs = Counter(
             "arbiter_worker_jobs_total",
             "Jobs by outcome (ok, failed, rejected, duplicate, superseded, ignored, unreadable).",
             ["outcome"],
-            **kw,
+            registry=registry,
         )
         self.lines = Counter(
-            "arbiter_worker_lines_total", "Job lines by outcome (ok, error).", ["outcome"], **kw
+            "arbiter_worker_lines_total",
+            "Job lines by outcome (ok, error).",
+            ["outcome"],
+            registry=registry,
         )
         self.decisions_per_s = Gauge(
             "arbiter_worker_decisions_per_second",
             "Decisions per second of the latest job, summed over live worker processes.",
             multiprocess_mode="livesum",
-            **kw,
+            registry=registry,
         )
         self.job_seconds = Histogram(
             "arbiter_worker_job_seconds",
             "Wall time of a job, from receive to the summary written.",
             buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
-            **kw,
+            registry=registry,
         )
         self.receive_latency = Histogram(
             "arbiter_worker_receive_latency_seconds",
             "Age of a message when a worker received it (SentTimestamp to receive).",
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
-            **kw,
+            registry=registry,
         )
         self.visibility_extensions = Counter(
             "arbiter_worker_visibility_extensions_total",
             "Heartbeats that extended a running job's message visibility.",
-            **kw,
+            registry=registry,
         )
         self.dlq_moves = Counter(
             "arbiter_worker_dlq_moves_total",
@@ -58,10 +60,12 @@ class WorkerMetrics:
             "failed (reason=max_receives), or at once: not a job (reason=unreadable), or a job no "
             "retry can fix, such as a deleted input (reason=permanent).",
             ["reason"],
-            **kw,
+            registry=registry,
         )
         self.restarts = Counter(
-            "arbiter_worker_restarts_total", "Worker processes restarted after dying.", **kw
+            "arbiter_worker_restarts_total",
+            "Worker processes restarted after dying.",
+            registry=registry,
         )
 
 
@@ -70,7 +74,7 @@ def multiprocess_registry() -> CollectorRegistry:
     from prometheus_client import multiprocess
 
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)
+    multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
     return registry
 
 
@@ -79,4 +83,4 @@ def mark_process_dead(pid: int) -> None:
     if os.environ.get(MULTIPROC_ENV):
         from prometheus_client import multiprocess
 
-        multiprocess.mark_process_dead(pid)
+        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]

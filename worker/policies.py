@@ -88,4 +88,4 @@ class RestartPolicy:
     def delay(self, crashes: int) -> float | None:
         if crashes > self.max_restarts:
             return None
-        return min(self.base_s * 2 ** min(crashes - 1, 30), self.maximum_s)
+        return float(min(self.base_s * 2 ** min(crashes - 1, 30), self.maximum_s))

@@ -79,7 +79,7 @@ def prepare_multiprocess_dir(path: Path) -> Path:
         # the metrics this process creates from here on are written to the directory too.
         from prometheus_client import values
 
-        values.ValueClass = values.get_value_class()
+        values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
     return path
 
 
