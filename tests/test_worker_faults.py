@@ -165,8 +165,11 @@ async def test_a_refused_heartbeat_stops_the_job(endpoint: str) -> None:
 async def test_a_job_at_the_visibility_limit_stops_before_its_message_reappears(
     endpoint: str,
 ) -> None:
-    # SQS never extends a message past 12 h from its receive; here the limit is 4 s.
-    settings = settings_for(endpoint, visibility_timeout_s=2, heartbeat_s=0.5, chunk_decisions=1)
+    # SQS never extends a message past 12 h from its receive; here the limit is 4 s. The failed
+    # receive backs off 2 s, so a poll racing the job's end cannot catch the message either.
+    settings = settings_for(
+        endpoint, visibility_timeout_s=2, heartbeat_s=0.5, chunk_decisions=1, backoff_base_s=2
+    )
     engine = FakeEngine(delay_s=1.0)
     body = "\n".join(decision_line(i) for i in range(10)).encode()
     async with aws_clients(endpoint) as (s3, sqs):
@@ -179,7 +182,7 @@ async def test_a_job_at_the_visibility_limit_stops_before_its_message_reappears(
             stolen += await receive_all(sqs, stack["queue_url"], wait=1)
         await task
         assert stolen == [], "the message reappeared while its job was still running"
-        again = await wait_for(lambda: receive_all(sqs, stack["queue_url"], wait=1), within_s=5)
+        again = await wait_for(lambda: receive_all(sqs, stack["queue_url"], wait=1), within_s=10)
         assert await list_keys(s3, "jobs", "results/") == []
     assert again[0]["Attributes"]["ApproximateReceiveCount"] == "2"  # a failed receive
     assert sample(registry, "arbiter_worker_jobs_total", outcome="failed") == 1
