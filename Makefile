@@ -40,7 +40,8 @@ test: $(STAMP)
 FUZZ_SCALE ?= 25
 fuzz: $(STAMP)
 	ARBITER_FUZZ_SCALE=$(FUZZ_SCALE) $(BIN)/python -m pytest -q --timeout 3600 \
-		tests/test_properties.py tests/test_schemathesis.py
+		tests/test_properties.py tests/test_schemathesis.py \
+		tests/test_engine_faults.py::test_concurrent_chat_tokenization_and_scoring_match_a_serial_run
 
 bench: $(STAMP)
 	$(BIN)/arbiter bench engine

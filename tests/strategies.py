@@ -72,24 +72,6 @@ def nested(depth: int, leaf: Any = 1) -> Any:
 deep = st.integers(min_value=1, max_value=200).map(nested)
 anything = st.one_of(json_values, deep)
 
-option = st.fixed_dictionaries(
-    {"id": st.one_of(nonblank, anything), "description": st.one_of(nonblank, anything)}
-)
-decision_like = st.fixed_dictionaries(
-    {
-        "id": st.one_of(nonblank, anything),
-        "state": st.one_of(nonblank, json_values, deep, anything),
-        "question": st.one_of(nonblank, anything),
-        "options": st.one_of(st.lists(option, min_size=0, max_size=28), anything),
-    },
-    optional={
-        "temperature": st.one_of(numbers, anything),
-        "order_samples": st.one_of(st.integers(min_value=-2, max_value=10), anything),
-        "question_type": st.one_of(st.sampled_from(["noul", "choice", "score"]), anything),
-        "surplus": anything,
-    },
-)
-
 # Decisions that pass the wire schema, with hostile but valid text everywhere.
 valid_text = st.text(min_size=1, max_size=60).filter(lambda s: s.strip() != "")
 valid_decision = st.fixed_dictionaries(
@@ -117,6 +99,38 @@ valid_decision = st.fixed_dictionaries(
     },
 )
 
+# Almost valid: a valid decision with one to three fields replaced by something hostile, so most
+# of what is generated gets past the easy checks and tests the hard ones.
+_hostile_state = st.one_of(
+    text,
+    st.dictionaries(text, st.one_of(text, numbers), min_size=1, max_size=3),
+    st.lists(st.one_of(text, numbers), min_size=1, max_size=3),
+    deep,
+    anything,
+)
+_hostile_options = st.one_of(
+    st.lists(st.fixed_dictionaries({"id": nonblank, "description": nonblank}), max_size=30),
+    st.lists(st.fixed_dictionaries({"id": anything, "description": anything}), max_size=3),
+    anything,
+)
+_replacements = {
+    "id": st.one_of(nonblank, anything),
+    "state": _hostile_state,
+    "question": st.one_of(nonblank, anything),
+    "options": _hostile_options,
+    "temperature": st.one_of(numbers, anything),
+    "order_samples": st.one_of(st.integers(min_value=-2, max_value=10), anything),
+    "question_type": st.one_of(st.sampled_from(["noul", "choice", "score"]), anything),
+    "surplus": anything,
+}
+decision_like = st.builds(
+    lambda base, changes: {**base, **changes},
+    valid_decision,
+    st.lists(st.sampled_from(sorted(_replacements)), min_size=1, max_size=3, unique=True).flatmap(
+        lambda keys: st.fixed_dictionaries({k: _replacements[k] for k in keys})
+    ),
+)
+
 
 def encode(value: Any) -> bytes:
     """JSON text as a hostile client would send it (surrogates escaped, NaN allowed)."""
@@ -127,8 +141,20 @@ def encode(value: Any) -> bytes:
 # or nothing at all.
 jsonl_line = st.one_of(
     valid_decision.map(encode),
+    st.deferred(lambda: bombs),
     decision_like.map(encode),
     anything.map(encode),
     st.binary(max_size=40).map(lambda b: b.replace(b"\n", b" ")),
     st.sampled_from([b"", b"   ", b"\r", b"[" * 3000, b'{"id": ' + b"9" * 5000 + b"}", b"NaN"]),
+)
+
+# JSON text no Python value can be dumped to: nesting past the recursion limit, huge integers.
+bombs = st.one_of(
+    st.integers(min_value=900, max_value=5000).map(
+        lambda n: b'{"id": "x", "state": ' + b"[" * n + b"]" * n + b"}"
+    ),
+    st.integers(min_value=4301, max_value=6000).map(
+        lambda n: b'{"id": "x", "temperature": ' + b"7" * n + b"}"
+    ),
+    st.sampled_from([b'{"id": "x", "temperature": NaN}', b'{"state": Infinity}', b"-Infinity"]),
 )

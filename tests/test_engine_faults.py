@@ -25,6 +25,7 @@ from adapter.prefix_cache import PrefixCache
 from adapter.schema import DecisionRequest, DecisionResult, Option
 from adapter.settings import EngineSettings
 from tests.conftest import decision
+from tests.strategies import SCALE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,6 +79,7 @@ def test_concurrent_chat_tokenization_and_scoring_match_a_serial_run(engine: Eng
     engine.cache.clear()
     expected = [_ok(r) for r in engine.score(requests)]
 
+    rounds = 2 * SCALE  # make fuzz: longer
     stop = threading.Event()
     mismatches: list[int] = []
     counts = [0]
@@ -94,7 +96,7 @@ def test_concurrent_chat_tokenization_and_scoring_match_a_serial_run(engine: Eng
         t.start()
     try:
         scored = []
-        for _ in range(2):
+        for _ in range(rounds):
             engine.cache.clear()
             scored.extend(_ok(r) for r in engine.score(requests))
     finally:
@@ -103,7 +105,7 @@ def test_concurrent_chat_tokenization_and_scoring_match_a_serial_run(engine: Eng
             t.join()
     assert counts[0] > 1000  # the tokenizers really ran alongside the scoring
     assert mismatches == []
-    for result, want in zip(scored, expected * 2, strict=True):
+    for result, want in zip(scored, expected * rounds, strict=True):
         assert result.prompt.input_tokens == want.prompt.input_tokens
         assert result.prompt.sha256 == want.prompt.sha256
         assert np.allclose(result.option_logits, want.option_logits, atol=1e-3)
@@ -250,6 +252,7 @@ def test_close_waits_for_running_calls_and_later_calls_fail_cleanly() -> None:
         from adapter.schema import DecisionResult
         from adapter.settings import EngineSettings
         from tests.conftest import decision
+from tests.strategies import SCALE
 
         eng = Engine(EngineSettings(model_dir=Path("/nonexistent"), n_threads=2, n_ctx=1024))
         outcomes = []
