@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from dataclasses import dataclass
 
 from adapter.lines import Scorer, score_lines
@@ -36,13 +37,13 @@ _TICKET = (
 )
 
 
-def probe_lines(count: int = 2) -> list[bytes]:
-    """Typical records, each over its own state (so no prefix is shared or cached)."""
+def probe_lines(count: int = 2, salt: str = "") -> list[bytes]:
+    """Typical records, each over its own state (``salt`` keeps them out of the prefix cache)."""
     return [
         json.dumps(
             {
                 "id": f"probe-{n}",
-                "state": {"ticket": f"T-{n}", "text": _TICKET.format(n=n)},
+                "state": {"ticket": f"T-{salt}{n}", "text": _TICKET.format(n=n)},
                 "question": "Which queue should handle this ticket?",
                 "options": [
                     {"id": "identity", "description": "Identity and single sign-on"},
@@ -63,7 +64,7 @@ class Throughput:
 
 def measure(engine: Scorer) -> Throughput:
     """Score the probe lines one engine call each, as the JSON Lines path would."""
-    lines = probe_lines()
+    lines = probe_lines(salt=uuid.uuid4().hex[:8])  # never a cached prefix: a cold measure
     started = time.perf_counter()
     for number, line in enumerate(lines, 1):
         score_lines(engine, [(number, line)])

@@ -202,7 +202,11 @@ def _field(param: str | None) -> str:
 def assemble(
     request: SystemOneRequest, outcomes: list[DecisionResult | ArbiterError], model_id: str
 ) -> dict[str, Any]:
-    """The System One response, or a 422 naming the question a limit refused."""
+    """The System One response, or a 422 naming the question a limit refused (a fault on the
+    server's side is raised as itself: it is not the caller's to fix)."""
+    for outcome in outcomes:
+        if isinstance(outcome, ArbiterError) and outcome.status >= 500:
+            raise outcome
     failures = [
         _detail(["questions", qid, _field(o.param)], o.message)
         for qid, o in zip(request.questions, outcomes, strict=True)
