@@ -252,7 +252,6 @@ def test_close_waits_for_running_calls_and_later_calls_fail_cleanly() -> None:
         from adapter.schema import DecisionResult
         from adapter.settings import EngineSettings
         from tests.conftest import decision
-from tests.strategies import SCALE
 
         eng = Engine(EngineSettings(model_dir=Path("/nonexistent"), n_threads=2, n_ctx=1024))
         outcomes = []

@@ -56,7 +56,8 @@ class QuickEngine(Engine):
 @pytest.fixture(scope="module")
 def server(default_gguf: Path) -> Iterator[str]:
     engine = QuickEngine(EngineSettings(model=default_gguf, n_ctx=512, n_threads=2))
-    settings_ = ServerSettings(max_in_flight=1, max_queue=8, queue_timeout_s=300)
+    # Up to 8 decisions a request (more is a documented 422) keeps generated batches quick.
+    settings_ = ServerSettings(max_in_flight=1, max_queue=8, queue_timeout_s=300, max_decisions=8)
     try:
         with serve(create_app(settings_, lambda: engine, close_engine=False)) as base:
             yield base
