@@ -35,9 +35,16 @@ def loads(data: bytes | str, what: str = "the body") -> Any:
         raise MalformedRequest(f"{what} is not valid JSON: {exc}") from exc
 
 
+# Line separators that JSON leaves unescaped but ``str.splitlines`` (and JavaScript before ES2019)
+# break lines at: escaped, so a JSON Lines record is one line for any reader.
+_LINE_BREAKS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def dumps(value: Any) -> bytes:
-    """Compact UTF-8 JSON; strings that UTF-8 cannot hold are written as ``\\uXXXX`` escapes."""
+    """Compact UTF-8 JSON on one line; strings that UTF-8 cannot hold (lone surrogates) are
+    written as ``\\uXXXX`` escapes."""
     try:
-        return json.dumps(value, ensure_ascii=False).encode("utf-8")
+        text = json.dumps(value, ensure_ascii=False)
+        return text.translate(_LINE_BREAKS).encode("utf-8")
     except UnicodeEncodeError:
         return json.dumps(value).encode("ascii")
