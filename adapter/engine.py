@@ -155,7 +155,11 @@ class Engine:
         self._model = None
         self._ctx = None
         _init_backend()
-        self._load()
+        try:
+            self._load()
+        except BaseException:
+            self.close()  # a model refused part-way through loading frees what it had
+            raise
         self.cache = PrefixCache(int(settings.prefix_cache_mb * 1024 * 1024))
         self.calibration: calibration.Calibration | None = None
         if settings.calibration is not None:
