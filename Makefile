@@ -10,7 +10,7 @@ LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS := $(shell scripts/llama-cmake-args)
 WHEELHOUSE := $(HOME)/.cache/arbiter/wheels/$(shell echo "$(LLAMA_CPP_PYTHON) $(LLAMA_CMAKE_ARGS)" | sha256sum | cut -c1-12)
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test fuzz lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,15 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check adapter worker bench tests infra
 	$(BIN)/python -m pytest -q
+
+# The generated hostile-input suites, longer: FUZZ_SCALE times the examples `make test` runs, random
+# (not derandomized) and remembered in .hypothesis/ so a failure replays first next time.
+FUZZ_SCALE ?= 25
+fuzz: $(STAMP)
+	ARBITER_FUZZ_SCALE=$(FUZZ_SCALE) $(BIN)/python -m pytest -q --timeout 3600 \
+		tests/test_properties.py tests/test_schemathesis.py \
+		tests/test_engine_faults.py::test_concurrent_chat_tokenization_and_scoring_match_a_serial_run
+	$(BIN)/python -m pytest -q --timeout 3600 -m fuzz tests/test_worker_fuzz.py
 
 bench: $(STAMP)
 	$(BIN)/arbiter bench engine

@@ -70,8 +70,12 @@ class Admission:
         return sum(1 for w in self._waiters if not w.done())
 
     @asynccontextmanager
-    async def slot(self) -> AsyncIterator[Slot]:
-        await self._acquire()
+    async def slot(self, *, admitted: bool = False) -> AsyncIterator[Slot]:
+        """Hold a slot for the block. ``admitted``: the request was already let in once (a JSON
+        Lines stream takes a slot per chunk) and waits its turn even when the queue is full;
+        refusing it mid-stream would drop lines already read. It still waits at most
+        ``queue_timeout_s``."""
+        await self._acquire(admitted)
         slot = Slot()
         try:
             yield slot
@@ -92,11 +96,11 @@ class Admission:
             else:
                 self._release()
 
-    async def _acquire(self) -> None:
+    async def _acquire(self, admitted: bool = False) -> None:
         if self.in_flight < self.max_in_flight and not self._waiters:
             self.in_flight += 1
             return
-        if self.queued >= self.max_queue:
+        if self.queued >= self.max_queue and not admitted:
             self._reject("queue_full")
             raise ServerBusy(
                 f"busy: {self.in_flight} requests computing and {self.queued} waiting (the "

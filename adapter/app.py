@@ -8,7 +8,6 @@ admission control (``adapter.admission``). Errors become ``{"error": {...}}`` in
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 import traceback
@@ -22,8 +21,9 @@ from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 from pydantic import ValidationError
 
-from adapter import chat, systemone_http
+from adapter import chat, execution, jsonio, systemone_http
 from adapter.admission import Admission, Slot
+from adapter.bodies import JSONL_TYPES, MB, read_body, require_json
 from adapter.engine import Engine, Generation
 from adapter.errors import (
     ArbiterError,
@@ -34,27 +34,20 @@ from adapter.errors import (
     ModelNotReady,
     NotFound,
     PayloadTooLarge,
+    Unauthorized,
     Unavailable,
-    UnsupportedMediaType,
 )
-from adapter.lines import score_lines, validation_error
+from adapter.jsonlines_http import LinesResponse
+from adapter.lines import validation_error
 from adapter.logging import get_logger, request_id
 from adapter.metrics import Metrics
 from adapter.schema import DecisionRequest, DecisionResult
 from adapter.settings import ServerSettings
+from adapter.streaming import OPEN_STREAM, OpenStream
 from adapter.systemone import SystemOneInvalid
 
 OPENAPI_PATH = Path(__file__).with_name("openapi.json")
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
-JSON_TYPES = {"application/json", "text/json"}
-JSONL_TYPES = {
-    "application/jsonlines",
-    "application/jsonl",
-    "application/x-jsonlines",
-    "application/json-lines",
-    "application/x-ndjson",
-}
-MB = 1024 * 1024
 
 log = get_logger("arbiter.http")
 
@@ -103,6 +96,9 @@ class State:
     admission: Admission
     metrics: Metrics
     openapi: bytes
+    batch_payload_mb: int | None = None  # measured once (adapter.execution)
+    warming: bool = False  # /ping waits for the start-up measurement under Batch Transform
+    sizing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 @dataclass
@@ -127,7 +123,18 @@ def error_response(error: ArbiterError) -> web.Response:
     headers = {}
     if isinstance(error, Unavailable):
         headers["Retry-After"] = str(error.retry_after)
+    if isinstance(error, Unauthorized):
+        headers["WWW-Authenticate"] = "Bearer"
     return web.json_response({"error": error.to_dict()}, status=error.status, headers=headers)
+
+
+def _as_error(exc: Exception) -> ArbiterError:
+    if isinstance(exc, ArbiterError):
+        return exc
+    if isinstance(exc, web.HTTPException):
+        return _from_http(exc)
+    log.error("internal_error", error=repr(exc), trace=traceback.format_exc())
+    return ArbiterError("internal error; see the server log")
 
 
 def _from_http(exc: web.HTTPException) -> ArbiterError:
@@ -167,16 +174,19 @@ async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     started = time.perf_counter()
     try:
         response = await handler(request)
-    except ArbiterError as exc:
-        response = error_response(exc)
-    except web.HTTPException as exc:
-        response = error_response(_from_http(exc))
     except asyncio.CancelledError:
         _finish(state, info, route, 499, started, "client_gone")
         raise
     except Exception as exc:
-        log.error("internal_error", error=repr(exc), trace=traceback.format_exc())
-        response = error_response(ArbiterError("internal error; see the server log"))
+        error = _as_error(exc)
+        stream = request.get(OPEN_STREAM)
+        if stream is not None and stream.response.prepared:
+            # The status line is sent: the error goes into the stream, which then ends cleanly.
+            await stream.fail(error)
+            info.extra["stream_error"] = error.code
+            response = stream.response
+        else:
+            response = error_response(error)
     _finish(state, info, route, response.status, started)
     return response
 
@@ -222,18 +232,48 @@ async def _on_prepare(request: web.Request, response: web.StreamResponse) -> Non
 async def ping(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.holder.require()
+    if state.warming:
+        raise ModelNotReady("measuring this machine's speed for Batch Transform", retry_after=1)
     return web.json_response({"status": "ok"})
 
 
 async def execution_parameters(request: web.Request) -> web.Response:
-    s = request.app[STATE].settings
+    state = request.app[STATE]
+    s = state.settings
     return web.json_response(
         {
             "MaxConcurrentTransforms": s.max_in_flight,
             "BatchStrategy": "MULTI_RECORD",
-            "MaxPayloadInMB": s.batch_max_payload_mb,
+            "MaxPayloadInMB": s.batch_max_payload_mb or await _batch_payload(state),
         }
     )
+
+
+async def _batch_payload(state: State) -> int:
+    """MaxPayloadInMB from this machine's measured speed, measured once under a compute slot."""
+    async with state.sizing:
+        if state.batch_payload_mb is None:
+            engine = state.holder.require()
+            async with state.admission.slot() as slot:
+                speed = await slot.run(execution.measure, engine)
+            timeout_s = state.settings.batch_invocation_timeout_s
+            state.batch_payload_mb = execution.payload_mb(speed, timeout_s)
+            fits = (
+                state.batch_payload_mb * speed.seconds_per_mb <= timeout_s * execution.BUDGET_SHARE
+            )
+            (log.info if fits else log.warning)(
+                "batch_payload_sized",
+                max_payload_mb=state.batch_payload_mb,
+                seconds_per_mb=round(speed.seconds_per_mb, 1),
+                lines_per_s=round(speed.lines_per_s, 2),
+                invocation_timeout_s=timeout_s,
+                fits=fits,
+                advice=None
+                if fits
+                else "raise ModelClientConfig.InvocationsTimeoutInSeconds (at most 3600) and "
+                "ARBITER_BATCH_INVOCATION_TIMEOUT_S to match",
+            )
+        return state.batch_payload_mb
 
 
 async def models(request: web.Request) -> web.Response:
@@ -267,12 +307,10 @@ async def openapi(request: web.Request) -> web.Response:
 async def invocations(request: web.Request) -> web.StreamResponse:
     """Dispatch on the content type, then on the body: decision, decisions or messages."""
     state = request.app[STATE]
-    if request.content_type in JSONL_TYPES:
+    if "Content-Type" in request.headers and request.content_type in JSONL_TYPES:
         request[REQUEST_LOG].kind = "jsonlines"
         return await _jsonlines(request, state)
-    _require_json(request)
-    body = await request.read()
-    raw = await asyncio.to_thread(_parse_json, body)
+    raw = await _json_body(request, state)
     if not isinstance(raw, dict):
         raise InvalidDecision(
             "the body must be a JSON object with one of: decision, decisions, messages",
@@ -299,32 +337,24 @@ async def invocations(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    _require_json(request)
-    raw = await asyncio.to_thread(_parse_json, await request.read())
+    raw = await _json_body(request, state)
     if not isinstance(raw, dict):
         raise InvalidDecision("the body must be a JSON object", code="invalid_type")
     request[REQUEST_LOG].kind = "messages"
     return await _chat(request, state, raw)
 
 
-def _require_json(request: web.Request) -> None:
-    if "Content-Type" not in request.headers:
-        return  # curl -d without -H, or a client that omits it: read as JSON
-    ctype = request.content_type
-    if ctype in JSON_TYPES or ctype.endswith("+json"):
-        return
-    raise UnsupportedMediaType(
-        f"Content-Type {ctype!r} is not supported here; send application/json "
-        "(or application/jsonlines to /invocations)",
-        param="Content-Type",
+async def _read_json_body(request: web.Request, state: State) -> bytes:
+    """A JSON body, declared as such, within ARBITER_MAX_BODY_MB, sent without stalling."""
+    require_json(request)
+    s = state.settings
+    return await read_body(
+        request, int(s.max_body_mb * MB), s.body_read_timeout_s, "ARBITER_MAX_BODY_MB"
     )
 
 
-def _parse_json(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedRequest(f"the body is not valid JSON: {exc}") from exc
+async def _json_body(request: web.Request, state: State) -> Any:
+    return await asyncio.to_thread(jsonio.loads, await _read_json_body(request, state))
 
 
 def _validate(raw: Any, prefix: str) -> DecisionRequest:
@@ -334,10 +364,6 @@ def _validate(raw: Any, prefix: str) -> DecisionRequest:
         return DecisionRequest.model_validate(raw)
     except ValidationError as exc:
         raise validation_error(exc, prefix) from exc
-
-
-def _dumps(body: Any) -> bytes:
-    return json.dumps(body, ensure_ascii=False).encode()
 
 
 async def _single(request: web.Request, state: State, raw: dict[str, Any]) -> web.Response:
@@ -350,7 +376,7 @@ async def _single(request: web.Request, state: State, raw: dict[str, Any]) -> we
         state.metrics.observe_decision(outcome)
         if isinstance(outcome, ArbiterError):
             return outcome, b""
-        return outcome, _dumps({"result": outcome.model_dump()})
+        return outcome, jsonio.dumps({"result": outcome.model_dump()})
 
     async with state.admission.slot() as slot:
         outcome, body = await slot.run(work)
@@ -418,7 +444,7 @@ async def _many(request: web.Request, state: State, raw: dict[str, Any]) -> web.
         "engine_s": engine_s,
         "total_s": time.perf_counter() - arrived,
     }
-    body = await asyncio.to_thread(_dumps, {"results": results, "timing": timing})
+    body = await asyncio.to_thread(jsonio.dumps, {"results": results, "timing": timing})
     return web.Response(body=body, content_type="application/json")
 
 
@@ -429,8 +455,9 @@ async def systemone_route(request: web.Request) -> web.Response:
     """`POST /v1/systemone`: the TypeSafe System One API, 422s in FastAPI's shape."""
     state = request.app[STATE]
     request[REQUEST_LOG].kind = "systemone"
+    body = await _read_json_body(request, state)
     try:
-        raw = systemone_http.parse_body(await request.read())
+        raw = await asyncio.to_thread(systemone_http.parse_body, body)
     except SystemOneInvalid as exc:
         return systemone_http.invalid(exc)
     return await _systemone(request, state, raw)
@@ -450,123 +477,58 @@ async def _systemone(request: web.Request, state: State, raw: Any) -> web.Respon
 
 @web.middleware
 async def api_key_guard(request: web.Request, handler: Any) -> web.StreamResponse:
-    """With ARBITER_API_KEY set, the /v1/* routes need the bearer token (SageMaker's own routes
-    are guarded by IAM: SageMaker strips the Authorization header before the container)."""
-    key = request.app[STATE].settings.api_key
-    if request.path.startswith("/v1/") and not systemone_http.authorized(request, key):
-        return systemone_http.unauthorized()
+    """With ARBITER_API_KEY set, every compute route needs the bearer token: /v1/* and
+    /invocations (unless ARBITER_API_KEY_EXEMPT_INVOCATIONS, for a SageMaker endpoint, where IAM
+    guards /invocations and the Authorization header never reaches the container)."""
+    s = request.app[STATE].settings
+    guarded = request.path.startswith("/v1/") or (
+        request.path == "/invocations" and not s.api_key_exempt_invocations
+    )
+    if guarded and not systemone_http.authorized(request, s.api_key):
+        if request.path == "/v1/systemone":
+            return systemone_http.unauthorized()  # the System One API's own 401 body
+        raise Unauthorized(
+            "missing or invalid API key: send 'Authorization: Bearer <ARBITER_API_KEY>'",
+            param="Authorization",
+        )
     return cast(web.StreamResponse, await handler(request))
 
 
 # -- JSON Lines --------------------------------------------------------------------------------
 
 
-async def _lines(stream: Any, max_line: int, max_total: int) -> AsyncIterator[bytes | ArbiterError]:
-    """Lines of a streamed body without holding it: an over-long line becomes its error."""
-    buf = bytearray()
-    skipping = False
-    total = 0
-    too_long = PayloadTooLarge
-    async for data in stream.iter_any():
-        total += len(data)
-        if total > max_total:
-            raise PayloadTooLarge(f"the body is over {max_total // MB} MB (ARBITER_MAX_JSONL_MB)")
-        start = 0
-        while (end := data.find(b"\n", start)) != -1:
-            if skipping or len(buf) + end - start > max_line:
-                yield too_long(f"the line is over {max_line // MB} MB (ARBITER_MAX_BODY_MB)")
-            else:
-                buf += data[start:end]
-                yield bytes(buf)
-            buf.clear()
-            skipping = False
-            start = end + 1
-        if not skipping:
-            buf += data[start:]
-            if len(buf) > max_line:
-                buf.clear()
-                skipping = True
-    if skipping:
-        yield too_long(f"the line is over {max_line // MB} MB (ARBITER_MAX_BODY_MB)")
-    elif buf.strip():
-        yield bytes(buf)
-
-
-def _score_lines(
-    engine: Engine, metrics: Metrics, batch: list[tuple[int, bytes | ArbiterError]]
-) -> tuple[bytes, int, int]:
-    """Score and serialize one chunk of lines: one output line per input line."""
-    records = score_lines(engine, list(batch), metrics.observe_decision)
-    tokens = sum(r["result"]["prompt"]["input_tokens"] for r in records if "result" in r)
-    body = "\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n"
-    return body.encode(), len(records), tokens
-
-
 async def _jsonlines(request: web.Request, state: State) -> web.StreamResponse:
-    """One decision per line in, one result or error per line out, streamed both ways."""
+    """One decision per line in, one result or error per line out (``adapter.jsonlines_http``)."""
     s = state.settings
-    max_total = int(s.max_jsonl_mb * MB)
-    if request.content_length is not None and request.content_length > max_total:
+    if request.content_length is not None and request.content_length > s.max_jsonl_mb * MB:
         raise PayloadTooLarge(f"the body is over {s.max_jsonl_mb:g} MB (ARBITER_MAX_JSONL_MB)")
     engine = state.holder.require()
-    info = request[REQUEST_LOG]
-    response = web.StreamResponse(headers={"Content-Type": "application/jsonlines"})
-    async with state.admission.slot() as slot:
-        batch: list[tuple[int, bytes | ArbiterError]] = []
-        number = 0
-        try:
-            async for line in _lines(request.content, int(s.max_body_mb * MB), max_total):
-                number += 1
-                if isinstance(line, bytes) and not line.strip():
-                    continue  # blank lines carry no record (as in `arbiter decide`)
-                batch.append((number, line))
-                if len(batch) >= s.jsonl_chunk:
-                    await _flush(request, response, state, engine, slot, batch, info)
-                    batch = []
-        except PayloadTooLarge as exc:
-            if not response.prepared:
-                raise
-            await response.write(_dumps({"line": number + 1, "id": None, "error": exc.to_dict()}))
-            await response.write_eof()
-            return response
-        if batch:
-            await _flush(request, response, state, engine, slot, batch, info)
-        if not response.prepared:
-            await response.prepare(request)
-        await response.write_eof()
-    return response
-
-
-async def _flush(
-    request: web.Request,
-    response: web.StreamResponse,
-    state: State,
-    engine: Engine,
-    slot: Slot,
-    batch: list[tuple[int, bytes | ArbiterError]],
-    info: RequestLog,
-) -> None:
-    body, count, tokens = await slot.run(_score_lines, engine, state.metrics, batch)
-    info.decisions += count
-    info.tokens += tokens
-    if not response.prepared:
-        await response.prepare(request)
-    await response.write(body)
+    lines = LinesResponse(request, engine, state.admission, state.metrics, s, request[REQUEST_LOG])
+    return await lines.run()
 
 
 # -- chat completions --------------------------------------------------------------------------
 
 
-async def _chat(request: web.Request, state: State, raw: dict[str, Any]) -> web.StreamResponse:
+def _chat_request(raw: dict[str, Any]) -> chat.ChatCompletionRequest:
     try:
-        chat_request = chat.ChatCompletionRequest.model_validate(raw)
+        return chat.ChatCompletionRequest.model_validate(raw)
     except ValidationError as exc:
         raise validation_error(exc) from exc
+
+
+async def _chat(request: web.Request, state: State, raw: dict[str, Any]) -> web.StreamResponse:
+    chat_request = await asyncio.to_thread(_chat_request, raw)
     engine = state.holder.require()
-    segments = chat.render(
-        chat_request.messages, engine.chat_template, engine.bos_text, engine.eos_text
-    )
-    tokens = await asyncio.to_thread(engine.encode_segments, segments)
+
+    def prompt() -> Any:
+        # Off the event loop: a template over hundreds of messages takes a while to render.
+        segments = chat.render(
+            chat_request.messages, engine.chat_template, engine.bos_text, engine.eos_text
+        )
+        return engine.encode_segments(segments)
+
+    tokens = await asyncio.to_thread(prompt)
     if len(tokens) >= engine.n_ctx:
         raise ContextLengthExceeded(
             f"the messages are {len(tokens)} tokens; the context holds {engine.n_ctx} tokens",
@@ -634,6 +596,8 @@ async def _stream_chat(
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
+    stream = OpenStream(response, lambda e: chat.sse({"error": e.to_dict()}) + chat.sse("[DONE]"))
+    request[OPEN_STREAM] = stream
     await response.prepare(request)
     cid = chat.completion_id()
     future = slot.start(lambda: engine.generate(tokens, on_text=on_text, **options))
@@ -642,20 +606,14 @@ async def _stream_chat(
         await response.write(chat.sse(chat.chunk(cid, model, {"role": "assistant", "content": ""})))
         while (item := await queue.get()) is not _DONE:
             await response.write(chat.sse(chat.chunk(cid, model, {"content": item})))
-        try:
-            generation = future.result()
-        except ArbiterError as exc:
-            await response.write(chat.sse({"error": exc.to_dict()}))
-        else:
-            _observe_generation(state, request[REQUEST_LOG], generation)
-            await response.write(chat.sse(chat.chunk(cid, model, {}, generation.finish_reason)))
-            if include_usage:
-                counts = chat.usage(generation.prompt_tokens, generation.completion_tokens)
-                await response.write(
-                    chat.sse(chat.chunk(cid, model, {}, None, counts, choices=False))
-                )
+        generation = future.result()  # a failure is written in-band by the middleware
+        _observe_generation(state, request[REQUEST_LOG], generation)
+        await response.write(chat.sse(chat.chunk(cid, model, {}, generation.finish_reason)))
+        if include_usage:
+            counts = chat.usage(generation.prompt_tokens, generation.completion_tokens)
+            await response.write(chat.sse(chat.chunk(cid, model, {}, None, counts, choices=False)))
         await response.write(chat.sse("[DONE]"))
-        await response.write_eof()
+        await stream.finish()
     finally:
         stopped.set()  # a client that went away stops the generation at its next token
     return response
@@ -720,6 +678,14 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
         await state.holder.load()
         if state.holder.engine is not None:
             state.metrics.set_model(state.holder.engine.model_info)
+            if state.settings.sagemaker_batch and state.settings.batch_max_payload_mb is None:
+                state.warming = True  # measured before /ping says ready, and Batch Transform asks
+                try:
+                    await _batch_payload(state)
+                except Exception as exc:  # measured again when asked; serving goes on
+                    log.error("batch_payload_sizing_failed", error=repr(exc))
+                finally:
+                    state.warming = False
 
     task = asyncio.create_task(load())
     yield

@@ -8,7 +8,7 @@ Gemma base model) gets a plain ``role: content`` transcript ending in ``assistan
 
 from __future__ import annotations
 
-import json
+import functools
 import re
 import time
 import uuid
@@ -18,23 +18,28 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from adapter import jsonio
 from adapter.errors import InvalidDecision
+from adapter.schema import Text
 
 Segments = list[tuple[str, bool]]  # (text, is_template_text)
+# More messages than any context here can hold (each costs a few template tokens at least); the
+# cap keeps a 6 MB body from becoming minutes of validation and template rendering.
+MAX_MESSAGES = 1024
 
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     @property
     def text(self) -> str:
@@ -54,16 +59,16 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    model: Text | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     n: int = Field(default=1, ge=1, le=1, description="Only one choice is generated.")
 
     @field_validator("stop")
@@ -89,24 +94,36 @@ class ChatCompletionRequest(BaseModel):
 PLAIN_STOPS = ["\nuser:", "\nsystem:"]
 
 
+_MARK = "\u0000ARBITER_MESSAGE_{}\u0000"
+_MARKS = re.compile("\u0000ARBITER_MESSAGE_([0-9]+)\u0000")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(template)
+
+
 def render(
     messages: list[ChatMessage], template: str | None, bos_text: str, eos_text: str
 ) -> Segments:
-    """The prompt as (text, is_template) segments, ending where the assistant's reply starts."""
+    """The prompt as (text, is_template) segments, ending where the assistant's reply starts.
+
+    Each message enters the template as a numbered mark; one pass over the rendered text splits
+    it at the marks and checks that every message is placed exactly once (linear in the text:
+    a check per message over the whole text was quadratic in the number of messages).
+    """
     if not template:
         return _plain(messages)
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    env.globals["raise_exception"] = raise_exception
-    marks = [f"\u0000ARBITER_MESSAGE_{i}\u0000" for i in range(len(messages))]
     roles = [("system" if m.role == "developer" else m.role) for m in messages]
     try:
-        compiled = env.from_string(template)
-        text = compiled.render(
-            messages=[{"role": r, "content": mark} for r, mark in zip(roles, marks, strict=True)],
+        text = _compiled(template).render(
+            messages=[{"role": r, "content": _MARK.format(i)} for i, r in enumerate(roles)],
             add_generation_prompt=True,
             bos_token=bos_text,
             eos_token=eos_text,
@@ -117,19 +134,27 @@ def render(
             param="messages",
             code="chat_template_error",
         ) from exc
-    if any(text.count(mark) != 1 for mark in marks):
+    placed = [0] * len(messages)
+    segments: Segments = []
+    end = 0
+    for match in _MARKS.finditer(text):
+        index = int(match.group(1))
+        if index >= len(placed):
+            placed.append(0)  # not a mark of ours: fails the check below
+            break
+        placed[index] += 1
+        if match.start() > end:
+            segments.append((text[end : match.start()], True))
+        segments.append((messages[index].text, False))
+        end = match.end()
+    if end < len(text):
+        segments.append((text[end:], True))
+    if any(count != 1 for count in placed):
         raise InvalidDecision(
             "the model's chat template does not place every message exactly once",
             param="messages",
             code="chat_template_error",
         )
-    by_mark = dict(zip(marks, messages, strict=True))
-    segments: Segments = []
-    for piece in re.split("(" + "|".join(re.escape(m) for m in marks) + ")", text):
-        if piece in by_mark:
-            segments.append((by_mark[piece].text, False))
-        elif piece:
-            segments.append((piece, True))
     return segments
 
 
@@ -197,5 +222,5 @@ def chunk(
 
 def sse(data: dict[str, Any] | str) -> bytes:
     """One server-sent event (``data: ...`` and a blank line)."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {payload}\n\n".encode()
+    payload = data.encode() if isinstance(data, str) else jsonio.dumps(data)
+    return b"data: " + payload + b"\n\n"

@@ -29,12 +29,14 @@ from adapter.errors import (
     ArbiterError,
     ContextLengthExceeded,
     EngineFailure,
+    InvalidDecision,
     LabelVocabularyError,
     ModelLoadError,
     TooManyOptions,
 )
 from adapter.ggml_backends import load_backends
 from adapter.llama_batch import NumpyBatch
+from adapter.logging import get_logger
 from adapter.model_files import ResolvedModel, resolve_model, verify
 from adapter.prefix_cache import PrefixCache, prefix_key
 from adapter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
@@ -80,6 +82,7 @@ _FILE_TYPES = {
 
 _backend_ready = False
 _backend_lock = threading.Lock()
+log = get_logger("arbiter.engine")
 
 
 @llama_cpp.llama_log_callback
@@ -143,11 +146,20 @@ class Engine:
         self.settings = settings
         self.resolved = resolved or resolve_model(settings.model, settings.model_dir)
         self.sha256 = verify(self.resolved)
+        # ``_lock`` serializes everything that touches the context; ``_tok_lock`` guards the
+        # vocabulary (tokenizing runs outside ``_lock``, e.g. chat prompts before admission) so
+        # ``close`` can never free it under a running call.
         self._lock = threading.Lock()
+        self._tok_lock = threading.Lock()
+        self._closed = False
         self._model = None
         self._ctx = None
         _init_backend()
-        self._load()
+        try:
+            self._load()
+        except BaseException:
+            self.close()  # a model refused part-way through loading frees what it had
+            raise
         self.cache = PrefixCache(int(settings.prefix_cache_mb * 1024 * 1024))
         self.calibration: calibration.Calibration | None = None
         if settings.calibration is not None:
@@ -178,9 +190,12 @@ class Engine:
         cparams.n_batch = s.n_batch
         cparams.n_ubatch = s.n_batch
         cparams.n_seq_max = s.max_branches + 1
-        # Logits are read at one position per sequence, never more: this keeps the output buffer
-        # at (branches + 1) x vocab floats instead of n_batch x vocab (0.5 GB for a 262k vocab).
-        # cparams.n_outputs_max = s.max_branches + 1
+        # Logits are read at one position per sequence, never more: this keeps the output and
+        # compute buffers at (branches + 1) x vocab floats instead of n_batch x vocab (514 MiB at
+        # n_batch 512 for a 262k vocab, 2 GiB at 2048). ``_decode_stream`` checks every slice
+        # against it: llama.cpp aborts the process (GGML_ASSERT) on a slice that asks for more.
+        self._n_outputs_max = s.max_branches + 1
+        cparams.n_outputs_max = self._n_outputs_max
         cparams.n_threads = s.n_threads
         cparams.n_threads_batch = s.n_threads
         cparams.kv_unified = True  # branches share the prefix cells instead of splitting n_ctx
@@ -192,20 +207,23 @@ class Engine:
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = NumpyBatch(self.n_batch)
-        self._tok_buf = (llama_cpp.llama_token * 4096)()
 
         self._add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         self._bos = int(llama_cpp.llama_vocab_bos(self._vocab))
+        if self._add_bos and not 0 <= self._bos < self.n_vocab:
+            raise ModelLoadError(
+                f"{self.resolved.path.name}: the vocabulary asks for a BOS token but has none "
+                f"(token id {self._bos}); refusing to start"
+            )
         template = llama_cpp.llama_model_chat_template(self._model, None)
-        # For chat completions (``generate``): the raw template, and the texts it names.
+        # For chat completions (``generate``): the raw template, and the texts it names (a model
+        # without BOS or EOS names them as "": ``piece`` maps an id outside the vocabulary to "").
         self.chat_template = template.decode("utf-8") if template else None
         self.bos_text = self.piece(self._bos)
         self.eos_text = self.piece(int(llama_cpp.llama_vocab_eos(self._vocab)))
         if template:
             self.layout = prompts.chat_layout(
-                template.decode("utf-8"),
-                self.piece(self._bos),
-                self.piece(int(llama_cpp.llama_vocab_eos(self._vocab))),
+                template.decode("utf-8"), self.bos_text, self.eos_text
             )
         else:
             self.layout = prompts.plain_layout()
@@ -273,38 +291,68 @@ class Engine:
         )
 
     def close(self) -> None:
-        if self._ctx:
-            llama_cpp.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            llama_cpp.llama_model_free(self._model)
-            self._model = None
+        """Free the context and model once no call is using them; later calls get EngineFailure."""
+        with self._lock, self._tok_lock:
+            self._closed = True
+            if self._ctx:
+                llama_cpp.llama_free(self._ctx)
+                self._ctx = None
+            if self._model:
+                llama_cpp.llama_model_free(self._model)
+                self._model = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineFailure("the engine is closed (the server is shutting down)")
 
     # -- tokens ----------------------------------------------------------------------------------
 
     def _tokenize(self, text: str, *, special: bool) -> np.ndarray:
-        data = text.encode("utf-8")
-        n = llama_cpp.llama_tokenize(
-            self._vocab, data, len(data), self._tok_buf, len(self._tok_buf), False, special
-        )
+        """Tokens of ``text``, in a buffer of this call's own.
+
+        ``llama_tokenize`` releases the GIL: a buffer shared between calls let a concurrent
+        tokenization (chat prompts are tokenized outside the engine lock) overwrite another's
+        tokens, and a decision was scored on the wrong prompt.
+        """
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidDecision(
+                f"the text is not valid Unicode ({exc.reason} at character {exc.start})",
+                code="invalid_text",
+            ) from exc
+        # A token covers at least one byte; the margin covers a leading-space marker.
+        buf = np.empty(len(data) + 16, dtype=np.int32)
+        with self._tok_lock:
+            self._check_open()
+            n = self._tokenize_into(data, buf, special)
+            if n < 0:
+                buf = np.empty(-n, dtype=np.int32)
+                n = self._tokenize_into(data, buf, special)
         if n < 0:
-            self._tok_buf = (llama_cpp.llama_token * (-n + 1024))()
-            n = llama_cpp.llama_tokenize(
-                self._vocab, data, len(data), self._tok_buf, len(self._tok_buf), False, special
-            )
-        return np.ctypeslib.as_array(self._tok_buf)[:n].astype(np.int32)
+            raise EngineFailure(f"llama_tokenize failed with status {n}")
+        return buf[:n].copy()
+
+    def _tokenize_into(self, data: bytes, buf: np.ndarray, special: bool) -> int:
+        out = buf.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token))
+        return int(
+            llama_cpp.llama_tokenize(self._vocab, data, len(data), out, len(buf), False, special)
+        )
 
     def tokenize_content(self, text: str) -> np.ndarray:
         """Tokens of caller-written text: special-token text stays plain text."""
         return self._tokenize(text, special=False)
 
     def piece(self, token: int) -> str:
-        buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
-        return buf.raw[: max(n, 0)].decode("utf-8", "replace")
+        """The text of one token ("" for an id outside the vocabulary, e.g. a missing BOS)."""
+        return self._piece_bytes(token, special=True).decode("utf-8", "replace")
 
     def is_control(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_control(self._vocab, token))
+        if not 0 <= token < self.n_vocab:
+            return False
+        with self._tok_lock:
+            self._check_open()
+            return bool(llama_cpp.llama_vocab_is_control(self._vocab, token))
 
     def prompt_tokens(self, request: DecisionRequest) -> np.ndarray:
         """The full prompt of one decision, as scored."""
@@ -327,17 +375,23 @@ class Engine:
     def score(self, decisions: Sequence[DecisionRequest]) -> list[DecisionResult | ArbiterError]:
         """Score decisions in any mix of states; outcomes come back in input order.
 
-        A decision that cannot be scored (too many options, too long) becomes its typed error in
-        its slot; the others are scored regardless. ``order_samples`` expands a decision into
-        several option orders over its state (``adapter.ordering``); a calibration file sets the
-        temperature of decisions that set none (``adapter.calibration``).
+        A decision that cannot be scored (too many options, too long, text that is not Unicode,
+        non-finite logits, any other failure of its own) becomes its typed error in its slot; the
+        others are scored regardless. ``order_samples`` expands a decision into several option
+        orders over its state (``adapter.ordering``); a calibration file sets the temperature of
+        decisions that set none (``adapter.calibration``). Raises only for the whole call: the
+        engine is closed.
         """
         expanded, plan = ordering.expand(decisions)
         with self._lock:
+            self._check_open()
             outcomes: list[DecisionResult | ArbiterError | None] = [None] * len(expanded)
             groups: dict[str, list[tuple[int, DecisionRequest]]] = {}
             for i, request in enumerate(expanded):
-                groups.setdefault(prompts.state_text(request.state), []).append((i, request))
+                try:
+                    groups.setdefault(prompts.state_text(request.state), []).append((i, request))
+                except Exception as exc:  # a state that is not JSON (only without the schema)
+                    outcomes[i] = _decision_error(exc)
             for state, members in groups.items():
                 for index, outcome in self._score_state(state, members):
                     outcomes[index] = outcome
@@ -372,12 +426,12 @@ class Engine:
         content = self._render(request)
         tokens = np.concatenate([self._head, self.tokenize_content(content.text), self._tail])
         if len(tokens) > self.n_ctx:
-            state_tokens = len(self.tokenize_content(prompts.state_text(request.state)))
+            field, field_tokens = self._longest_field(request)
             raise ContextLengthExceeded(
-                f"the prompt is {len(tokens)} tokens (state {state_tokens}); the context holds "
-                f"{self.n_ctx} tokens. Nothing is truncated: shorten the state or raise "
+                f"the prompt is {len(tokens)} tokens ({field} {field_tokens}); the context holds "
+                f"{self.n_ctx} tokens. Nothing is truncated: shorten {field} or raise "
                 "ARBITER_N_CTX",
-                param="state" if state_tokens * 2 > len(tokens) else "options",
+                param=field,
             )
         text = prompts.full_text(self.layout, content)
         return _Prepared(
@@ -388,6 +442,17 @@ class Engine:
             tokenize_s=time.perf_counter() - started,
         )
 
+    def _longest_field(self, request: DecisionRequest) -> tuple[str, int]:
+        """The field of a too-long decision that holds the most tokens, and its count."""
+        fields = {
+            "state": prompts.state_text(request.state),
+            "question": request.question,
+            **{f"options.{i}.description": o.description for i, o in enumerate(request.options)},
+        }
+        counts = {name: len(self.tokenize_content(text)) for name, text in fields.items()}
+        name = max(counts, key=lambda k: counts[k])
+        return name, counts[name]
+
     def _score_state(
         self, state: str, members: list[tuple[int, DecisionRequest]]
     ) -> list[tuple[int, DecisionResult | ArbiterError]]:
@@ -396,29 +461,35 @@ class Engine:
         for index, request in members:
             try:
                 prepared.append(self._prepare(index, request))
-            except ArbiterError as exc:
-                results.append((index, exc))
+            except Exception as exc:
+                results.append((index, _decision_error(exc)))
         if not prepared:
             return results
-        started = time.perf_counter()
-        prefix_text = prompts.state_prefix(self.layout, state)
-        state_prefix = np.concatenate([self._head, self.tokenize_content(prefix_text)])
-        # The prefix is a true token prefix of every prompt by construction: the longest run the
-        # state's own tokenization shares with each full prompt (BPE merges at the boundary fall
-        # outside it), and always at least one token short of the shortest prompt.
-        shared = min(_common_prefix(state_prefix, p.tokens) for p in prepared)
-        shared = min(shared, min(len(p.tokens) for p in prepared) - 1)
-        group_tokenize_s = time.perf_counter() - started
-        for p in prepared:
-            p.suffix_start = shared
         try:
+            started = time.perf_counter()
+            prefix_text = prompts.state_prefix(self.layout, state)
+            state_prefix = np.concatenate([self._head, self.tokenize_content(prefix_text)])
+            # The prefix is a true token prefix of every prompt by construction: the longest run
+            # the state's own tokenization shares with each full prompt (BPE merges at the
+            # boundary fall outside it), and always at least one token short of the shortest.
+            shared = min(_common_prefix(state_prefix, p.tokens) for p in prepared)
+            shared = min(shared, min(len(p.tokens) for p in prepared) - 1)
+            group_tokenize_s = time.perf_counter() - started
+            for p in prepared:
+                p.suffix_start = shared
             run = self._forward(prepared[0].tokens[:shared], prepared)
-        except ArbiterError as exc:
-            return results + [(p.index, exc) for p in prepared]
+        except Exception as exc:  # the group's shared prefill failed: each member says so
+            error = _decision_error(exc)
+            return results + [(p.index, error) for p in prepared]
         finally:
-            llama_cpp.llama_memory_clear(self._mem, True)
+            # Only the cells' metadata: zeroing the whole KV buffer (data=True) cost ~3% of a
+            # decision and nothing reads a cell that was not written again.
+            llama_cpp.llama_memory_clear(self._mem, False)
         for p in prepared:
-            results.append((p.index, self._result(p, run, group_tokenize_s)))
+            try:
+                results.append((p.index, self._result(p, run, group_tokenize_s)))
+            except Exception as exc:
+                results.append((p.index, _decision_error(exc)))
         return results
 
     def _forward(self, prefix: np.ndarray, prepared: list[_Prepared]) -> _GroupRun:
@@ -431,9 +502,15 @@ class Engine:
             if saved is not None and self._restore(saved):
                 cache_state = "hit"
             else:
+                if saved is not None:
+                    # A failed restore can leave part of the state behind: the prefill must start
+                    # from an empty sequence 0, as a cold run does.
+                    llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)
                 cache_state = "miss"
                 self._prefill(prefix)
-                self.cache.put(key, self._save())
+                state = self._save(self.cache.limit_bytes)
+                if state is not None:
+                    self.cache.put(key, state)
         else:
             self._prefill(prefix)
         n_prefix = len(prefix)
@@ -495,6 +572,12 @@ class Engine:
         n = len(tokens)
         for start in range(0, n, self.n_batch):
             stop = min(n, start + self.n_batch)
+            outputs = int(np.count_nonzero(want[start:stop]))
+            if outputs > self._n_outputs_max:
+                raise EngineFailure(
+                    f"a decode slice asks for {outputs} outputs; the context holds "
+                    f"{self._n_outputs_max} (ARBITER_MAX_BRANCHES + 1)"
+                )
             self._batch.fill(
                 tokens[start:stop], pos[start:stop], seqs[start:stop], want[start:stop]
             )
@@ -532,14 +615,15 @@ class Engine:
         want = np.zeros(n, dtype=np.int8)
         want[-1] = 1
         with self._lock:
-            llama_cpp.llama_memory_clear(self._mem, True)
+            self._check_open()
+            llama_cpp.llama_memory_clear(self._mem, False)
             started = time.perf_counter()
             try:
                 self._decode_stream(
                     tokens, np.arange(n, dtype=np.int32), np.zeros(n, np.int32), want, keep
                 )
             finally:
-                llama_cpp.llama_memory_clear(self._mem, True)
+                llama_cpp.llama_memory_clear(self._mem, False)
             return out[0], time.perf_counter() - started
 
     def floor_shared(self, prefix: np.ndarray, suffixes: list[np.ndarray]) -> tuple[float, float]:
@@ -547,7 +631,8 @@ class Engine:
         after it (logits at its last token) and removed again. Returns (prefix_s, suffixes_s)."""
         n = len(prefix)
         with self._lock:
-            llama_cpp.llama_memory_clear(self._mem, True)
+            self._check_open()
+            llama_cpp.llama_memory_clear(self._mem, False)
             try:
                 started = time.perf_counter()
                 self._prefill(prefix)
@@ -564,7 +649,7 @@ class Engine:
                     suffix_s += time.perf_counter() - started
                     llama_cpp.llama_memory_seq_rm(self._mem, 0, n, -1)
             finally:
-                llama_cpp.llama_memory_clear(self._mem, True)
+                llama_cpp.llama_memory_clear(self._mem, False)
         return prefix_s, suffix_s
 
     def kv_cache_bytes(self) -> int:
@@ -586,21 +671,36 @@ class Engine:
         labels = logits[self.label_token_ids[: len(request.options)]].astype(np.float64)
         return _logsumexp(labels, axis=1)
 
-    def _save(self) -> bytes:
-        size = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
+    def _save(self, limit: int) -> bytes | None:
+        """Sequence 0's state, copied once; None when it is over ``limit`` bytes (not copied)."""
+        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, 0))
+        if size > limit:
+            return None
         buf = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, 0)
-        return bytes(buf)[:written]
+        written = int(llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, 0))
+        return ctypes.string_at(buf, written)
 
     def _restore(self, state: bytes) -> bool:
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        # llama.cpp only reads the buffer: pass the bytes object's own memory, no copy.
+        buf = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
         return bool(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(state), 0))
 
     def _result(self, p: _Prepared, run: _GroupRun, group_tokenize_s: float) -> DecisionResult:
         request = p.request
+        if not (np.all(np.isfinite(p.logits)) and np.isfinite(p.full_lse)):
+            raise EngineFailure(
+                "llama.cpp returned non-finite logits for this decision; it was not scored"
+            )
         temperature = request.temperature or self.settings.temperature
-        scaled = p.logits / temperature
-        probs = np.exp(scaled - _logsumexp(scaled))
+        with np.errstate(over="ignore", invalid="ignore"):
+            scaled = p.logits / temperature
+            probs = np.exp(scaled - _logsumexp(scaled))
+        if not np.all(np.isfinite(probs)):
+            raise InvalidDecision(
+                f"temperature {temperature!r} makes the probabilities overflow; use a "
+                "temperature of 0.01 or more",
+                param="temperature",
+            )
         allowed = float(np.exp(_logsumexp(p.logits) - p.full_lse))
         option_ids = [o.id for o in request.options]
         tokenize_s = p.tokenize_s + group_tokenize_s
@@ -667,13 +767,14 @@ class Engine:
                 param="messages",
             )
         budget = min(max_tokens, self.n_ctx - len(tokens))
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(None if seed is None else seed % 2**64)
         with self._lock:
-            llama_cpp.llama_memory_clear(self._mem, True)
+            self._check_open()
+            llama_cpp.llama_memory_clear(self._mem, False)
             try:
                 return self._generate(tokens, budget, temperature, top_p, list(stop), rng, on_text)
             finally:
-                llama_cpp.llama_memory_clear(self._mem, True)
+                llama_cpp.llama_memory_clear(self._mem, False)
 
     def _generate(
         self,
@@ -747,13 +848,21 @@ class Engine:
         )
         return out[0]
 
-    def _piece_bytes(self, token: int) -> bytes:
-        """The raw bytes of a generated token (control tokens render as nothing)."""
-        buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+    def _piece_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The raw bytes of a token (without ``special``, control tokens render as nothing).
+
+        llama.cpp indexes its token table unchecked (``std::out_of_range`` across ctypes aborts
+        the process), so an id outside ``[0, n_vocab)`` is "" here and never reaches it.
+        """
+        if not 0 <= token < self.n_vocab:
+            return b""
+        with self._tok_lock:
+            self._check_open()
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[: max(n, 0)]
 
 
@@ -772,8 +881,11 @@ class Generation:
 def _sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
     if temperature <= 0:
         return int(np.argmax(logits))
-    scaled = logits / temperature
-    probs = np.exp(scaled - scaled.max())
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = logits / temperature
+        probs = np.exp(scaled - scaled.max())
+    if not np.all(np.isfinite(probs)):  # a temperature so small that it overflows: greedy
+        return int(np.argmax(logits))
     if top_p < 1.0:
         order = np.argsort(-probs)
         cumulative = np.cumsum(probs[order])
@@ -800,6 +912,16 @@ def _held_back(text: str, stops: list[str]) -> int:
                 held = k
                 break
     return held
+
+
+def _decision_error(exc: Exception) -> ArbiterError:
+    """Any failure while scoring one decision, as that decision's typed error."""
+    if isinstance(exc, ArbiterError):
+        return exc
+    if isinstance(exc, UnicodeError):
+        return InvalidDecision(f"the text is not valid Unicode: {exc}", code="invalid_text")
+    log.error("decision_failed", error=repr(exc), exc_info=exc)
+    return EngineFailure(f"this decision could not be scored ({type(exc).__name__}); see the log")
 
 
 def open_engine(settings: EngineSettings | None = None, model: Path | None = None) -> Engine:

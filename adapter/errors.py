@@ -89,6 +89,22 @@ class PayloadTooLarge(ArbiterError):
     code = "payload_too_large"
 
 
+class RequestTimeout(ArbiterError):
+    """The client stopped sending its body (``ARBITER_BODY_READ_TIMEOUT_S``)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "body_read_timeout"
+
+
+class Unauthorized(ArbiterError):
+    """``ARBITER_API_KEY`` is set and the request's bearer token is missing or wrong."""
+
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
 class UnsupportedMediaType(ArbiterError):
     """A ``Content-Type`` the route does not read."""
 

@@ -6,14 +6,18 @@ and the same file posted to a SageMaker endpoint give the same records.
 
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from adapter.errors import ArbiterError, InvalidDecision, MalformedRequest
+from adapter import jsonio
+from adapter.errors import ArbiterError, EngineFailure, InvalidDecision
+from adapter.logging import get_logger
 from adapter.schema import DecisionRequest, DecisionResult
+
+log = get_logger("arbiter.lines")
 
 
 class Scorer(Protocol):
@@ -33,11 +37,11 @@ def validation_error(exc: ValidationError, prefix: str | None = None) -> Invalid
     return InvalidDecision(message, param=param, code="invalid_field")
 
 
-def parse_decision_line(line: str) -> DecisionRequest:
-    try:
-        raw = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise MalformedRequest(f"line is not valid JSON: {exc}") from exc
+def parse_decision_line(line: str | bytes) -> DecisionRequest:
+    return validate_decision(jsonio.loads(line, "the line"))
+
+
+def validate_decision(raw: Any) -> DecisionRequest:
     if not isinstance(raw, dict):
         raise InvalidDecision("line must be a JSON object (one decision)", code="invalid_type")
     try:
@@ -46,13 +50,13 @@ def parse_decision_line(line: str) -> DecisionRequest:
         raise validation_error(exc) from exc
 
 
-def raw_id(line: str) -> Any:
-    """The ``id`` of a line that failed validation, if it can be read at all (for its error)."""
-    try:
-        raw = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return raw.get("id") if isinstance(raw, dict) else None
+def echo_id(raw: Any) -> Any:
+    """The ``id`` of a record that failed validation, for its error record: echoed only when it is
+    a string, number or boolean (never a caller's deep structure)."""
+    rid = raw.get("id") if isinstance(raw, dict) else None
+    if isinstance(rid, str | bool | int) or (isinstance(rid, float) and math.isfinite(rid)):
+        return rid
+    return None
 
 
 Line = str | bytes | ArbiterError
@@ -72,18 +76,26 @@ def score_lines(
         if isinstance(line, ArbiterError):
             parsed.append((number, line, None))
             continue
-        if isinstance(line, bytes):
-            try:
-                line = line.decode("utf-8")
-            except UnicodeDecodeError:
-                parsed.append((number, MalformedRequest("the line is not valid UTF-8"), None))
-                continue
+        raw: Any = None
         try:
-            decision = parse_decision_line(line)
+            raw = jsonio.loads(line, "the line")
+            decision = validate_decision(raw)
             parsed.append((number, decision, decision.id))
         except ArbiterError as exc:
-            parsed.append((number, exc, raw_id(line)))
-    outcomes = iter(engine.score([d for _, d, _ in parsed if isinstance(d, DecisionRequest)]))
+            parsed.append((number, exc, echo_id(raw)))
+    decisions = [d for _, d, _ in parsed if isinstance(d, DecisionRequest)]
+    try:
+        scored = engine.score(decisions) if decisions else []
+    except Exception as exc:  # the whole call failed: each of its lines says so, none is lost
+        if not isinstance(exc, ArbiterError):
+            log.error("score_failed", error=repr(exc), exc_info=exc)
+        failure = (
+            exc
+            if isinstance(exc, ArbiterError)
+            else EngineFailure(f"not scored: {type(exc).__name__} in the engine; see the log")
+        )
+        scored = [failure] * len(decisions)
+    outcomes = iter(scored)
     records: list[dict[str, Any]] = []
     for number, item, rid in parsed:
         outcome = next(outcomes) if isinstance(item, DecisionRequest) else item

@@ -4,18 +4,54 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+# The smallest softmax temperature: logits / T stays finite (probabilities are never NaN).
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 100.0
+# Deeper JSON than this in a state is refused: it would only reach Python's recursion limit.
+MAX_STATE_DEPTH = 64
+
+
+def unicode_text(value: str) -> str:
+    """Refuse text UTF-8 cannot hold: JSON may escape a lone surrogate (``"\\ud800"``); the
+    tokenizer cannot encode it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"text must be valid Unicode: a lone surrogate (U+{ord(value[exc.start]):04X}) at "
+            f"character {exc.start}"
+        ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]
 JsonState = str | dict[str, Any] | list[Any]
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of parsed JSON, walked without recursion; stops counting past ``limit``."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth > limit:
+                return depth
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 class Option(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    id: str = Field(min_length=1, max_length=256)
-    description: str = Field(min_length=1)
+    id: Text = Field(min_length=1, max_length=256)
+    description: Text = Field(min_length=1)
 
     @field_validator("description")
     @classmethod
@@ -30,11 +66,16 @@ class DecisionRequest(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    id: str = Field(min_length=1, max_length=512)
+    id: Text = Field(min_length=1, max_length=512)
     state: JsonState
-    question: str = Field(min_length=1)
+    question: Text = Field(min_length=1)
     options: list[Option] = Field(min_length=2)
-    temperature: float | None = Field(default=None, gt=0, le=100)
+    temperature: float | None = Field(
+        default=None,
+        ge=MIN_TEMPERATURE,
+        le=MAX_TEMPERATURE,
+        description="Softmax temperature for the probabilities (the logits are unchanged).",
+    )
     question_type: Literal["noul", "choice", "score"] | None = Field(
         default=None, description="System One question type; picks the calibrated temperature."
     )
@@ -54,11 +95,17 @@ class DecisionRequest(BaseModel):
         if isinstance(value, str):
             if not value.strip():
                 raise ValueError("state must not be empty")
-            return value
+            return unicode_text(value)
         if not value:
             raise ValueError("state must not be an empty object or array")
+        if json_depth(value, MAX_STATE_DEPTH) > MAX_STATE_DEPTH:
+            raise ValueError(f"state is nested more than {MAX_STATE_DEPTH} levels deep")
         try:
-            json.dumps(value, allow_nan=False)
+            json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                "state is not valid Unicode: it holds a lone surrogate (such as \\ud800)"
+            ) from exc
         except (TypeError, ValueError) as exc:
             raise ValueError(f"state is not JSON-serializable: {exc}") from exc
         return value

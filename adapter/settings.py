@@ -47,7 +47,9 @@ class EngineSettings(BaseSettings):
     prefix_cache_mb: float = Field(
         default=256.0, ge=0, description="Memory for saved state prefixes reused across requests."
     )
-    temperature: float = Field(default=1.0, gt=0, description="Default softmax temperature.")
+    temperature: float = Field(
+        default=1.0, ge=0.01, le=100, description="Default softmax temperature (0.01 to 100)."
+    )
     calibration: Path | None = Field(
         default=None,
         description=(
@@ -97,8 +99,33 @@ class ServerSettings(BaseSettings):
     chat_max_tokens: int = Field(
         default=256, ge=1, description="Chat completion tokens when the request sets no max_tokens."
     )
-    batch_max_payload_mb: int = Field(
-        default=6, ge=1, le=100, description="MaxPayloadInMB offered to Batch Transform."
+    body_read_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest pause while a client sends its body; then 408 (the client stalled).",
+    )
+    batch_max_payload_mb: int | None = Field(
+        default=None,
+        ge=1,
+        le=100,
+        description=(
+            "MaxPayloadInMB offered to Batch Transform; unset: sized from this machine's measured "
+            "speed so one mini-batch takes at most half of ARBITER_BATCH_INVOCATION_TIMEOUT_S."
+        ),
+    )
+    batch_invocation_timeout_s: float = Field(
+        default=600.0,
+        ge=1,
+        le=3600,
+        description=(
+            "The transform job's ModelClientConfig.InvocationsTimeoutInSeconds (SageMaker's "
+            "default 600), used to size MaxPayloadInMB."
+        ),
+    )
+    sagemaker_batch: bool = Field(
+        default=False,
+        validation_alias=AliasChoices("ARBITER_SAGEMAKER_BATCH", "SAGEMAKER_BATCH"),
+        description="Set by Batch Transform: measure the payload size at start-up, before /ping.",
     )
     log_json: bool | None = Field(
         default=None, description="JSON log lines (default: JSON unless stderr is a terminal)."
@@ -106,7 +133,18 @@ class ServerSettings(BaseSettings):
     log_level: str = Field(default="info", description="debug, info, warning or error.")
     api_key: str | None = Field(
         default=None,
-        description="When set, /v1/* routes need 'Authorization: Bearer <key>' (401 otherwise).",
+        description=(
+            "When set, every compute route (/invocations and /v1/*) needs "
+            "'Authorization: Bearer <key>' (401 otherwise); /ping, /metrics and the API "
+            "document stay open."
+        ),
+    )
+    api_key_exempt_invocations: bool = Field(
+        default=False,
+        description=(
+            "Leave /invocations open while ARBITER_API_KEY guards /v1/*: only where something "
+            "else guards it (SageMaker's IAM, which also strips the Authorization header)."
+        ),
     )
 
 

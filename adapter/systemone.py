@@ -190,15 +190,25 @@ def answer(
     }
 
 
+def _field(param: str | None) -> str:
+    """A decision's field as the System One question names it."""
+    if param is None or param == "state":
+        return "state"
+    if param.startswith("options"):
+        return "criteria"
+    return "instructions" if param == "question" else param
+
+
 def assemble(
     request: SystemOneRequest, outcomes: list[DecisionResult | ArbiterError], model_id: str
 ) -> dict[str, Any]:
-    """The System One response, or a 422 naming the question a limit refused."""
+    """The System One response, or a 422 naming the question a limit refused (a fault on the
+    server's side is raised as itself: it is not the caller's to fix)."""
+    for outcome in outcomes:
+        if isinstance(outcome, ArbiterError) and outcome.status >= 500:
+            raise outcome
     failures = [
-        _detail(
-            ["questions", qid, "criteria" if o.param == "options" else (o.param or "state")],
-            o.message,
-        )
+        _detail(["questions", qid, _field(o.param)], o.message)
         for qid, o in zip(request.questions, outcomes, strict=True)
         if isinstance(o, ArbiterError)
     ]

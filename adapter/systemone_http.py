@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
-from adapter import systemone
+from adapter import jsonio, systemone
 from adapter.engine import Engine
-from adapter.errors import ArbiterError
+from adapter.errors import ArbiterError, MalformedRequest
 from adapter.schema import DecisionResult
 
 
@@ -36,12 +35,17 @@ def unauthorized() -> web.Response:
 
 
 def authorized(request: web.Request, api_key: str | None) -> bool:
-    """True when no key is configured, or the bearer token matches it exactly."""
+    """True when no key is configured, or the bearer token matches it exactly.
+
+    Compared as UTF-8 bytes: ``hmac.compare_digest`` refuses non-ASCII ``str`` (a 500 for any
+    client that sent one); aiohttp hands undecodable header bytes over as surrogate escapes.
+    """
     if not api_key:
         return True
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), api_key)
+    sent = token.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(sent, api_key.encode("utf-8"))
 
 
 def invalid(exc: systemone.SystemOneInvalid) -> web.Response:
@@ -50,10 +54,10 @@ def invalid(exc: systemone.SystemOneInvalid) -> web.Response:
 
 def parse_body(body: bytes) -> Any:
     try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return jsonio.loads(body)
+    except MalformedRequest as exc:  # not JSON, not UTF-8, nested too deeply, a 5,000-digit int
         raise systemone.SystemOneInvalid(
-            [{"loc": ["body"], "msg": f"JSON decode error: {exc}", "type": "json_invalid"}]
+            [{"loc": ["body"], "msg": f"JSON decode error: {exc.message}", "type": "json_invalid"}]
         ) from exc
 
 

@@ -6,11 +6,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from adapter.engine import Engine
 from adapter.model_files import bundled_model, smollm2_path
 from adapter.schema import DecisionRequest
 from adapter.settings import EngineSettings
+from tests.strategies import SCALE
+
+# Generated-input tests: reproducible in `make test` (derandomized, no example database), random
+# and remembered (.hypothesis/) in `make fuzz`, where ARBITER_FUZZ_SCALE multiplies the examples.
+hypothesis_settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+hypothesis_settings.register_profile("fuzz", print_blob=True)
+hypothesis_settings.load_profile("fuzz" if SCALE > 1 else "ci")
 
 
 def decision(

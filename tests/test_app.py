@@ -212,7 +212,7 @@ async def test_custom_attributes_echo_and_request_id_in_logs(make: Any) -> None:
 
 
 async def test_execution_parameters_models_and_openapi(make: Any) -> None:
-    client = await make(max_in_flight=2)
+    client = await make(max_in_flight=2, batch_max_payload_mb=6)
     params = await (await client.get("/execution-parameters")).json()
     assert params == {
         "MaxConcurrentTransforms": 2,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -20,6 +21,13 @@ def _line(**overrides: Any) -> dict[str, Any]:
     }
     base.update(overrides)
     return base
+
+
+def _nest(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
 
 
 def _error(raw: dict[str, Any] | str) -> ArbiterError:
@@ -56,7 +64,23 @@ def _error(raw: dict[str, Any] | str) -> ArbiterError:
             "options.0.description",
             "required",
         ),
-        ({"temperature": 0}, "temperature", "greater than 0"),
+        ({"temperature": 0}, "temperature", "greater than or equal to 0.01"),
+        ({"temperature": 1e-310}, "temperature", "greater than or equal to 0.01"),
+        ({"temperature": 1e308}, "temperature", "less than or equal to 100"),
+        ({"question": "Which \ud800?"}, "question", "unicode"),
+        ({"id": "\udfff"}, "id", "unicode"),
+        ({"state": "text \ud800"}, "state", "unicode"),
+        ({"state": {"k": ["ok", "\ud800"]}}, "state", "surrogate"),
+        (
+            {"options": [{"id": "a", "description": "A \ud83d"}, {"id": "b", "description": "B"}]},
+            "options.0.description",
+            "unicode",
+        ),
+        (
+            {"state": {"a": [[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]} | {"deep": _nest(70)}},
+            "state",
+            "nested",
+        ),
         ({"extra_field": 1}, "extra_field", "not permitted"),
     ],
 )
@@ -95,3 +119,30 @@ def test_state_may_be_string_object_or_array() -> None:
 
     for state in ("text", {"k": [1, 2]}, [1, "two", None]):
         assert parse_decision_line(json.dumps(_line(state=state))).state == state
+
+
+def test_a_state_key_with_a_lone_surrogate_is_refused() -> None:
+    err = _error(_line(state={"\ud800": 1}))
+    assert err.param is not None and err.param.startswith("state")
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ("[" * 5000, "nested too deeply"),
+        ('{"id": ' + "1" * 5000 + "}", "4300"),
+        ('{"id": "x", "temperature": NaN}', "NaN"),
+        ('{"id": "x", "temperature": -Infinity}', "Infinity"),
+    ],
+)
+def test_json_that_python_cannot_or_should_not_read_is_malformed(line: str, needle: str) -> None:
+    err = _error(line)
+    assert err.code == "invalid_json" and err.status == 400
+    assert needle in err.message
+
+
+def test_a_state_as_deep_as_allowed_is_accepted() -> None:
+    from adapter.schema import MAX_STATE_DEPTH
+
+    ok = parse_decision_line(json.dumps(_line(state={"k": _nest(MAX_STATE_DEPTH - 1)})))
+    assert ok.state == {"k": _nest(MAX_STATE_DEPTH - 1)}

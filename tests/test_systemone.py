@@ -146,3 +146,21 @@ def test_answers_from_the_real_engine_share_one_state(engine: Engine) -> None:
         "output_tokens": 0,
     }
     assert body["usage"]["input_tokens"] < sum(r.prompt.input_tokens for r in results)
+
+
+def test_a_server_side_failure_is_not_reported_as_the_callers_422() -> None:
+    from adapter.errors import EngineFailure, TooManyOptions
+    from tests.app_fakes import uniform_result
+
+    req = _request(a={"type": "noul"}, b={"type": "noul"})
+    a, _ = systemone.to_decisions(req)
+    with pytest.raises(EngineFailure):
+        systemone.assemble(req, [uniform_result(a), EngineFailure("boom")], "arbiter/x")
+    with pytest.raises(systemone.SystemOneInvalid) as info:
+        systemone.assemble(req, [uniform_result(a), TooManyOptions("many", param="options")], "m")
+    assert info.value.detail[0]["loc"] == ["body", "questions", "b", "criteria"]
+    with pytest.raises(systemone.SystemOneInvalid) as info:
+        systemone.assemble(
+            req, [uniform_result(a), TooManyOptions("long", param="options.1.description")], "m"
+        )
+    assert info.value.detail[0]["loc"] == ["body", "questions", "b", "criteria"]

@@ -1,0 +1,110 @@
+"""Request bodies from untrusted clients: a declared type, a size limit, and no waiting forever.
+
+Bodies are read before any compute slot is taken, and every read waits at most
+``ARBITER_BODY_READ_TIMEOUT_S`` for the next bytes: a client that sends a few bytes and stalls gets a
+408 instead of holding a connection (and, on the JSON Lines path, never the model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from aiohttp import StreamReader, web
+
+from adapter.errors import ArbiterError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+
+JSON_TYPES = {"application/json", "text/json"}
+JSONL_TYPES = {
+    "application/jsonlines",
+    "application/jsonl",
+    "application/x-jsonlines",
+    "application/json-lines",
+    "application/x-ndjson",
+}
+MB = 1024 * 1024
+
+
+def require_json(request: web.Request) -> None:
+    """The body must be declared as JSON: a cross-site page can POST ``text/plain`` or a form
+    without a CORS preflight, never ``application/json`` (SageMaker always sends a type)."""
+    ctype = request.content_type if "Content-Type" in request.headers else None
+    if ctype is not None and (ctype in JSON_TYPES or ctype.endswith("+json")):
+        return
+    raise UnsupportedMediaType(
+        (f"Content-Type {ctype!r} is not supported here" if ctype else "Content-Type is missing")
+        + "; send application/json (or application/jsonlines to /invocations)",
+        param="Content-Type",
+    )
+
+
+async def _next(stream: StreamReader, idle_s: float) -> bytes:
+    try:
+        async with asyncio.timeout(idle_s):
+            return await stream.readany()
+    except TimeoutError:
+        raise RequestTimeout(
+            f"no body bytes for {idle_s:g} s (ARBITER_BODY_READ_TIMEOUT_S); send the body "
+            "without pauses"
+        ) from None
+
+
+async def read_body(request: web.Request, limit: int, idle_s: float, setting: str) -> bytes:
+    """The whole body, at most ``limit`` bytes (``setting`` names the limit in the error)."""
+    too_large = f"the body is over {limit / MB:g} MB ({setting})"
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(too_large)
+    parts: list[bytes] = []
+    total = 0
+    while data := await _next(request.content, idle_s):
+        total += len(data)
+        if total > limit:
+            raise PayloadTooLarge(too_large)
+        parts.append(data)
+    return b"".join(parts)
+
+
+async def iter_lines(
+    stream: StreamReader, max_line: int, max_total: int, idle_s: float
+) -> AsyncIterator[bytes | ArbiterError]:
+    """Lines of a streamed body without holding it: an over-long line becomes its error.
+
+    Raises ``PayloadTooLarge`` past ``max_total`` bytes and ``RequestTimeout`` when the client
+    stalls; the lines yielded before that are complete.
+    """
+    buf = bytearray()
+    skipping = False
+    total = 0
+
+    def too_long() -> PayloadTooLarge:
+        return PayloadTooLarge(f"the line is over {max_line / MB:g} MB (ARBITER_MAX_BODY_MB)")
+
+    over = False
+    while not over and (data := await _next(stream, idle_s)):
+        total += len(data)
+        if total > max_total:  # the complete lines within the limit are still yielded
+            data, over = data[: len(data) - (total - max_total)], True
+        start = 0
+        while (end := data.find(b"\n", start)) != -1:
+            if skipping or len(buf) + end - start > max_line:
+                yield too_long()
+            else:
+                buf += data[start:end]
+                yield bytes(buf)
+            buf.clear()
+            skipping = False
+            start = end + 1
+        if not skipping:
+            buf += data[start:]
+            if len(buf) > max_line:
+                buf.clear()
+                skipping = True
+    if over:
+        raise PayloadTooLarge(
+            f"the body is over {max_total / MB:g} MB (ARBITER_MAX_JSONL_MB); the lines before "
+            "this point were answered"
+        )
+    if skipping:
+        yield too_long()
+    elif buf.strip():
+        yield bytes(buf)

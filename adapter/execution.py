@@ -1,0 +1,79 @@
+"""Batch Transform's `MaxPayloadInMB`, sized so that one mini-batch fits the invocation timeout.
+
+Batch Transform posts up to ``MaxPayloadInMB`` of JSON Lines per invocation and gives the container
+``ModelClientConfig.InvocationsTimeoutInSeconds`` (600 s by default, at most 3,600 s) to answer;
+a slower answer is retried, then the job fails. At a few decisions per second on a CPU a 6 MB
+mini-batch (thousands of lines) takes far longer than that. So the container measures what it
+scores here, once, on probe lines of a typical size, and advertises the payload that takes at most
+half the timeout (``ARBITER_BATCH_INVOCATION_TIMEOUT_S``); ``ARBITER_BATCH_MAX_PAYLOAD_MB`` overrides it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+from adapter.lines import Scorer, score_lines
+
+MB = 1024 * 1024
+MIN_PAYLOAD_MB = 1  # Batch Transform's smallest useful value (0 means "unlimited")
+MAX_PAYLOAD_MB = 100  # its largest
+BUDGET_SHARE = 0.5  # of the timeout: room for slower lines and a busier machine
+
+# A support ticket of about 1 kB: records much shorter than this cost more per byte (the fixed part
+# of each prompt weighs more), so payloads of tiny records should be sized by hand.
+_TICKET = (
+    "Customer {n} writes: since the update this morning none of our users can sign in with single "
+    "sign-on. The identity provider shows the assertions as sent, but the application answers "
+    "with an error page after the redirect. We have 340 seats on the enterprise plan and the "
+    "outage blocks our whole support team. We already cleared caches, tried two browsers and "
+    "rotated the signing certificate without any change. Our administrator is available all day "
+    "for a call. Please treat this as urgent; our contract promises a response within one hour "
+    "for incidents of this severity, and the invoice for this month is due on Friday, which our "
+    "finance team will not approve while the service is down."
+)
+
+
+def probe_lines(count: int = 2, salt: str = "") -> list[bytes]:
+    """Typical records, each over its own state (``salt`` keeps them out of the prefix cache)."""
+    return [
+        json.dumps(
+            {
+                "id": f"probe-{n}",
+                "state": {"ticket": f"T-{salt}{n}", "text": _TICKET.format(n=n)},
+                "question": "Which queue should handle this ticket?",
+                "options": [
+                    {"id": "identity", "description": "Identity and single sign-on"},
+                    {"id": "billing", "description": "Billing and invoices"},
+                    {"id": "general", "description": "General support"},
+                ],
+            }
+        ).encode()
+        for n in range(count)
+    ]
+
+
+@dataclass(frozen=True)
+class Throughput:
+    seconds_per_mb: float
+    lines_per_s: float
+
+
+def measure(engine: Scorer) -> Throughput:
+    """Score the probe lines one engine call each, as the JSON Lines path would."""
+    lines = probe_lines(salt=uuid.uuid4().hex[:8])  # never a cached prefix: a cold measure
+    started = time.perf_counter()
+    for number, line in enumerate(lines, 1):
+        score_lines(engine, [(number, line)])
+    seconds = max(time.perf_counter() - started, 1e-9)
+    size = sum(len(line) + 1 for line in lines)
+    return Throughput(seconds_per_mb=seconds * MB / size, lines_per_s=len(lines) / seconds)
+
+
+def payload_mb(throughput: Throughput, timeout_s: float) -> int:
+    """The largest whole number of MB that takes at most ``BUDGET_SHARE`` of ``timeout_s``."""
+    fits = math.floor(timeout_s * BUDGET_SHARE / throughput.seconds_per_mb)
+    return max(MIN_PAYLOAD_MB, min(MAX_PAYLOAD_MB, fits))
