@@ -167,11 +167,12 @@ def preflight(
 ) -> dict[str, Any]:
     """Everything checked before the exec, on ``os.environ`` (which the exec passes on, image
     defaults applied); returns what was found, logged as one JSON line."""
-    from adapter.ggml_backends import load_backends
+    from adapter.ggml_backends import load_backends, quiet_llama_logs
     from adapter.model_files import _find_in_dir, resolve_model, verify
     from adapter.settings import from_environment
 
     apply_image_defaults(os.environ, settings.image_n_gpu_layers)
+    quiet_llama_logs()  # the report below names the CPU variant; ggml's own line would be a second
     try:
         engine, server, unknown = from_environment()
     except ArbiterError as exc:

@@ -76,6 +76,28 @@ def loaded_cpu_variant(maps: Path = Path("/proc/self/maps")) -> str | None:
     return ",".join(found) or None
 
 
+_GGML_LOG_LEVEL_ERROR = 4  # ggml.h: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
+
+
+def _stderr_errors_only(level: int, text: bytes | None, user_data: ctypes.c_void_p) -> None:
+    if level == _GGML_LOG_LEVEL_ERROR and text:
+        sys.stderr.write(text.decode("utf-8", "replace"))
+
+
+_log_callback: object = None  # kept alive for as long as llama.cpp may call it
+
+
+def quiet_llama_logs() -> None:
+    """Only llama.cpp's and ggml's errors reach stderr; their info lines ("load_backend: loaded CPU
+    backend from ...") would break a process whose output is one line (the entrypoint)."""
+    global _log_callback
+    import llama_cpp
+
+    if _log_callback is None:
+        _log_callback = llama_cpp.llama_log_callback(_stderr_errors_only)
+    llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+
 def load_backends(search: list[Path] | None = None) -> Backends:
     """Register the dynamically loadable backends in libllama's ggml if it has none (once per
     process); returns what is registered."""
