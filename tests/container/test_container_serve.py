@@ -38,6 +38,20 @@ def decision(i: int) -> dict[str, object]:
     }
 
 
+def published(port: int) -> tuple[str, ...]:
+    """The container's 8080 on a host port, as SageMaker maps it."""
+    return ("--publish", f"127.0.0.1:{port}:8080")
+
+
+def bound_to(port: int) -> tuple[str, ...]:
+    """The host's network, the port named by SAGEMAKER_BIND_TO_PORT (inference pipelines)."""
+    return ("--network", "host", "--env", f"SAGEMAKER_BIND_TO_PORT={port}")
+
+
+def model_at_opt_ml_model(model_dir: Path) -> tuple[str, ...]:
+    return ("--volume", f"{model_dir}:/opt/ml/model:ro")
+
+
 def assert_result(result: dict[str, object], rid: str, model_file: str) -> None:
     assert result["id"] == rid
     assert result["option_ids"] == ["billing", "shipping", "access"]
@@ -59,9 +73,7 @@ def served(image: str, packaged_model: Path) -> Iterator[Container]:
     started = time.monotonic()
     podman(
         "run", "--detach", "--name", name, *LIMITS,
-        "--publish", f"127.0.0.1:{port}:8080",
-        "--volume", f"{packaged_model}:/opt/ml/model:ro",
-        image, "serve",
+        *published(port), *model_at_opt_ml_model(packaged_model), image, "serve",
     )  # fmt: skip
     container = Container(name=name, started=started, port=port)
     try:
@@ -147,12 +159,7 @@ def test_the_server_is_pid_1_and_not_root(served: Container):
 
 def test_sagemaker_bind_to_port_is_honoured(run_container: RunContainer, packaged_model: Path):
     port = free_port()
-    container = run_container(
-        "--network", "host",
-        "--env", f"SAGEMAKER_BIND_TO_PORT={port}",
-        "--volume", f"{packaged_model}:/opt/ml/model:ro",
-        port=port,
-    )  # fmt: skip
+    container = run_container(*bound_to(port), *model_at_opt_ml_model(packaged_model), port=port)
     container.wait_ping()
     [listening] = [e for e in container.events() if e.get("event") == "listening"]
     assert listening["port"] == port
@@ -162,12 +169,7 @@ def test_a_manifest_mismatch_exits_non_zero_with_one_line_and_never_listens(
     run_container: RunContainer, tampered_model: Path
 ):
     port = free_port()
-    container = run_container(
-        "--network", "host",
-        "--env", f"SAGEMAKER_BIND_TO_PORT={port}",
-        "--volume", f"{tampered_model}:/opt/ml/model:ro",
-        port=port,
-    )  # fmt: skip
+    container = run_container(*bound_to(port), *model_at_opt_ml_model(tampered_model), port=port)
     answered = 0
     deadline = time.monotonic() + 120
     while container.running() and time.monotonic() < deadline:
@@ -191,10 +193,8 @@ def test_read_only_root_filesystem_with_a_tmpfs_tmp(run_container: RunContainer)
     needs the root filesystem to be writable."""
     port = free_port()
     container = run_container(
-        "--read-only", "--read-only-tmpfs=false", "--tmpfs", "/tmp",
-        "--publish", f"127.0.0.1:{port}:8080",
-        port=port,
-    )  # fmt: skip
+        "--read-only", "--read-only-tmpfs=false", "--tmpfs", "/tmp", *published(port), port=port
+    )
     took = container.wait_ping()
     record("time to the first /ping 200, read-only root, default model", round(took, 2), "s")
     status, raw, _ = http(
@@ -213,11 +213,7 @@ def test_sigterm_stops_serve_with_status_0_within_the_grace_time(
     run_container: RunContainer, packaged_model: Path
 ):
     port = free_port()
-    container = run_container(
-        "--publish", f"127.0.0.1:{port}:8080",
-        "--volume", f"{packaged_model}:/opt/ml/model:ro",
-        port=port,
-    )  # fmt: skip
+    container = run_container(*published(port), *model_at_opt_ml_model(packaged_model), port=port)
     container.wait_ping()
     code, took = container.stop()
     record("`podman stop` (SIGTERM) of serve until exit", round(took, 2), "s")
