@@ -10,7 +10,7 @@ LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS := $(shell scripts/llama-cmake-args)
 WHEELHOUSE := $(HOME)/.cache/arbiter/wheels/$(shell echo "$(LLAMA_CPP_PYTHON) $(LLAMA_CMAKE_ARGS)" | sha256sum | cut -c1-12)
 
-.PHONY: setup run test fuzz lint bench clean
+.PHONY: setup run test test-container fuzz lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check adapter worker bench tests infra
 	$(BIN)/python -m pytest -q
+
+# Builds the CPU image from container/Dockerfile.cpu with podman (installed from Debian if missing)
+# and runs the container contract tests against it (scripts/container-test says how).
+test-container: $(STAMP)
+	scripts/container-test
 
 # The generated hostile-input suites, longer: FUZZ_SCALE times the examples `make test` runs, random
 # (not derandomized) and remembered in .hypothesis/ so a failure replays first next time.

@@ -17,7 +17,11 @@ Before the exec, in this order, each failure a one-line reason on stderr and exi
    archive is downloaded and unpacked there (SageMaker does this itself from ``ModelDataUrl``; ECS
    does not);
 5. the model is resolved exactly as the engine resolves it, and its sha256 checked against the
-   ``model-manifest.json`` beside it.
+   ``model-manifest.json`` beside it; a path that cannot be written or read (a read-only root
+   filesystem, a model dir without permission) is named in the reason, never a traceback.
+
+The report line it logs names the ggml CPU variant that llama.cpp loaded for this CPU (the CPU image
+carries one per x86 feature level; ``ggml_cpu_variant``).
 
 Runs outside Docker too: ``python -m adapter.entrypoint serve`` (the tests do).
 """
@@ -95,6 +99,16 @@ def gpu_offload_supported() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
+def _unusable_path(exc: OSError) -> str:
+    where = exc.filename or "a model path"
+    return (
+        f"cannot use {where}: {exc.strerror or exc}. The model dir and the default model must be "
+        "readable, and a path Arbiter writes (a model archive's unpack dir, the user cache when no "
+        "model is in the image) writable: with a read-only root filesystem, mount the model at "
+        "/opt/ml/model or a volume at that path."
+    )
+
+
 def check_gpu_layers(
     n_gpu_layers: int, supported: Callable[[], bool] = gpu_offload_supported
 ) -> None:
@@ -153,10 +167,12 @@ def preflight(
 ) -> dict[str, Any]:
     """Everything checked before the exec, on ``os.environ`` (which the exec passes on, image
     defaults applied); returns what was found, logged as one JSON line."""
+    from adapter.ggml_backends import load_backends, quiet_llama_logs
     from adapter.model_files import _find_in_dir, resolve_model, verify
     from adapter.settings import from_environment
 
     apply_image_defaults(os.environ, settings.image_n_gpu_layers)
+    quiet_llama_logs()  # the report below names the CPU variant; ggml's own line would be a second
     try:
         engine, server, unknown = from_environment()
     except ArbiterError as exc:
@@ -164,15 +180,18 @@ def preflight(
     except ValueError as exc:  # pydantic's ValidationError
         raise Refused(f"invalid setting: {exc}") from exc
     check_gpu_layers(engine.n_gpu_layers, gpu_supported)
+    backends = load_backends()
 
     fetched: list[str] | None = None
-    if settings.model_data_url and engine.model is None and _find_in_dir(engine.model_dir) is None:
-        fetched = fetch_model_archive(settings.model_data_url, engine.model_dir, s3_client)
     try:
+        if settings.model_data_url and engine.model is None and not _find_in_dir(engine.model_dir):
+            fetched = fetch_model_archive(settings.model_data_url, engine.model_dir, s3_client)
         resolved = resolve_model(engine.model, engine.model_dir)
         sha256 = verify(resolved) if settings.preflight_sha256 else None
     except ModelLoadError as exc:
         raise Refused(exc.message) from exc
+    except OSError as exc:
+        raise Refused(_unusable_path(exc)) from exc
     return {
         "event": "entrypoint_preflight",
         "command": command,
@@ -181,6 +200,8 @@ def preflight(
         "manifest": resolved.expected_sha256 is not None,
         "sha256": sha256,
         "n_gpu_layers": engine.n_gpu_layers,
+        "ggml_backends": backends.count,
+        "ggml_cpu_variant": backends.cpu_variant,
         "max_in_flight": server.max_in_flight,
         "fetched": fetched,
         "unknown_sm_settings": unknown,

