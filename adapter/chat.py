@@ -18,9 +18,9 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from adapter import jsonio
-from adapter.errors import InvalidDecision
-from adapter.schema import Text
+from arbiter import jsonio
+from arbiter.errors import InvalidDecision
+from arbiter.schema import Text
 
 Segments = list[tuple[str, bool]]  # (text, is_template_text)
 # More messages than any context here can hold (each costs a few template tokens at least); the

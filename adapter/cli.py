@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-from adapter.lines import Line, score_lines
+from arbiter.lines import Line, score_lines
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -23,7 +23,7 @@ def cmd_decide(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Score each line of a JSONL file; print one result or error line per input line."""
     from tqdm import tqdm
 
-    from adapter.engine import open_engine
+    from arbiter.engine import open_engine
 
     engine = open_engine(model=args.model)
     lines = list(_lines(Path(args.file)))

@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from adapter.errors import ArbiterError, ModelLoadError
+from arbiter.errors import ArbiterError, ModelLoadError
 
 COMMANDS = ("serve", "work")
 _GPU_FLAGS = ("N_GPU_LAYERS", "GPU_LAYERS", "NGL")
@@ -93,7 +93,7 @@ def apply_image_defaults(env: MutableMapping[str, str], image_n_gpu_layers: int 
 def gpu_offload_supported() -> bool:
     import llama_cpp
 
-    from adapter.ggml_backends import load_backends
+    from arbiter.engine.backends import load_backends
 
     load_backends()  # a GGML_BACKEND_DL build reports no GPU until its backends are loaded
     return bool(llama_cpp.llama_supports_gpu_offload())
@@ -167,9 +167,9 @@ def preflight(
 ) -> dict[str, Any]:
     """Everything checked before the exec, on ``os.environ`` (which the exec passes on, image
     defaults applied); returns what was found, logged as one JSON line."""
-    from adapter.ggml_backends import load_backends, quiet_llama_logs
-    from adapter.model_files import _find_in_dir, resolve_model, verify
-    from adapter.settings import from_environment
+    from arbiter.engine.backends import load_backends, quiet_llama_logs
+    from arbiter.models import _find_in_dir, resolve_model, verify
+    from arbiter.settings import from_environment
 
     apply_image_defaults(os.environ, settings.image_n_gpu_layers)
     quiet_llama_logs()  # the report below names the CPU variant; ggml's own line would be a second

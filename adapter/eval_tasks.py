@@ -5,7 +5,7 @@ and ``split`` keys are read as metadata (they are not part of the decision).
 
 **JevBench** (the public task format): ``id``, ``family``, ``group``, ``split``, ``state`` (string or
 JSON), ``question: {type, instructions, criteria}``, ``labels`` and ``expected``. The question is
-mapped exactly as `POST /v1/systemone` maps it (``adapter.systemone.to_decisions``), so an eval
+mapped exactly as `POST /v1/systemone` maps it (``arbiter.systemone.to_decisions``), so an eval
 measures what the service answers:
 - ``noul``: options ``true``/``false`` (criteria texts, default "Yes"/"No"); ``expected`` is
   ``"yes"``/``"no"`` (``true``/``false`` are accepted too).
@@ -27,8 +27,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from adapter.schema import DecisionRequest
-from adapter.systemone import SystemOneRequest, to_decisions
+from arbiter.schema import DecisionRequest
+from arbiter.systemone import SystemOneRequest, to_decisions
 
 _META_KEYS = ("label", "tier", "family", "split", "group")
 _YES = {"yes", "true", "1"}

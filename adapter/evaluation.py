@@ -8,9 +8,9 @@ an unreadable response) is kept as a failure and counts as wrong.
 `arbiter eval` writes ``eval-report.json`` (metrics overall and per file, tier, family and question
 type), ``eval-records.jsonl`` (one line per item) and ``reliability.png``, and prints a Markdown
 summary. With ``--order-samples K`` every item is also scored with K option orders
-(``adapter.ordering``) and the report counts how many answers flip against the plain order.
+(``arbiter.engine.ordering``) and the report counts how many answers flip against the plain order.
 
-`arbiter calibrate` fits temperatures (``adapter.calibration``) on part of the file, reports NLL,
+`arbiter calibrate` fits temperatures (``arbiter.engine.calibration``) on part of the file, reports NLL,
 Brier and ECE before (T=1) and after on the held-out rest, and writes the calibration file.
 """
 
@@ -29,9 +29,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from adapter import calibration, eval_metrics
+from adapter import eval_metrics
 from adapter.eval_tasks import EvalItem, TaskFileError, load
-from adapter.schema import DecisionRequest
+from arbiter.engine import calibration
+from arbiter.schema import DecisionRequest
 
 Outcome = tuple[dict[str, Any] | None, dict[str, Any] | None]  # (result, error)
 
@@ -52,7 +53,7 @@ class EngineBackend:
         self.name = f"in-process ({engine.model_info.file})"
 
     def decide(self, request: DecisionRequest) -> Outcome:
-        from adapter.errors import ArbiterError
+        from arbiter.errors import ArbiterError
 
         try:
             outcome = self.engine.score([request])[0]
@@ -298,7 +299,7 @@ def markdown(rep: dict[str, Any]) -> str:
 def _open_backend(args: argparse.Namespace) -> Backend:
     if args.url:
         return HttpBackend(args.url, timeout=args.timeout)
-    from adapter.engine import open_engine
+    from arbiter.engine import open_engine
 
     return EngineBackend(open_engine(model=args.model))
 

@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from adapter.lines import Scorer, score_lines
+from arbiter.lines import Scorer, score_lines
 
 MB = 1024 * 1024
 MIN_PAYLOAD_MB = 1  # Batch Transform's smallest useful value (0 means "unlimited")

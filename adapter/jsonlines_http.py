@@ -14,16 +14,16 @@ from typing import Any
 
 from aiohttp import web
 
-from adapter import jsonio
 from adapter.admission import Admission
 from adapter.bodies import MB, iter_lines
-from adapter.engine import Engine
-from adapter.errors import ArbiterError, EngineFailure, PayloadTooLarge, RequestTimeout, ServerBusy
-from adapter.lines import score_lines
-from adapter.logging import get_logger
 from adapter.metrics import Metrics
-from adapter.settings import ServerSettings
 from adapter.streaming import OPEN_STREAM, OpenStream
+from arbiter import jsonio
+from arbiter.engine import Engine
+from arbiter.errors import ArbiterError, EngineFailure, PayloadTooLarge, RequestTimeout, ServerBusy
+from arbiter.lines import score_lines
+from arbiter.logging import get_logger
+from arbiter.settings import ServerSettings
 
 Batch = list[tuple[int, bytes | ArbiterError]]
 log = get_logger("arbiter.http")

@@ -7,7 +7,7 @@ decompressing the weights)::
                            "tool": {"name", "version"}, "created"}
     <name>.gguf
 
-SageMaker unpacks ``ModelDataUrl`` into ``/opt/ml/model``; :func:`adapter.model_files.resolve_model`
+SageMaker unpacks ``ModelDataUrl`` into ``/opt/ml/model``; :func:`arbiter.models.resolve_model`
 finds the GGUF there, reads the manifest beside it, and the engine refuses to start when the file's
 sha256 differs. The writer is the other half of that check, so both live in ``adapter``.
 """
@@ -26,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
-from adapter.model_files import MANIFEST_NAME, sha256_file
+from arbiter.models import MANIFEST_NAME, sha256_file
 
 GGUF_MAGIC = b"GGUF"
 TOOL_NAME = "arbiter package-model"

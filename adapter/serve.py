@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from adapter.errors import ArbiterError
+from arbiter.errors import ArbiterError
 
 
 def register(subparsers: Any, bench_subparsers: Any = None) -> None:
@@ -41,8 +41,8 @@ def cmd_bench_http(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from adapter.logging import configure, get_logger
-    from adapter.settings import from_environment
+    from arbiter.logging import configure, get_logger
+    from arbiter.settings import from_environment
 
     try:
         engine_settings, server_settings, unknown = from_environment()
@@ -68,7 +68,7 @@ async def _serve(server_settings: Any, engine_settings: Any, log: Any) -> int:
     from aiohttp import web
 
     from adapter.app import STATE, create_app
-    from adapter.engine import Engine
+    from arbiter.engine import Engine
 
     app = create_app(server_settings, lambda: Engine(engine_settings))
     # handler_cancellation: a client that disconnects cancels its handler, so it leaves the queue.

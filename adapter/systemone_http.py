@@ -14,10 +14,10 @@ from typing import Any
 
 from aiohttp import web
 
-from adapter import jsonio, systemone
-from adapter.engine import Engine
-from adapter.errors import ArbiterError, MalformedRequest
-from adapter.schema import DecisionResult
+from arbiter import jsonio, systemone
+from arbiter.engine import Engine
+from arbiter.errors import ArbiterError, MalformedRequest
+from arbiter.schema import DecisionResult
 
 
 def served_model_id(engine: Engine) -> str:

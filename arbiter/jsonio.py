@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from adapter.errors import MalformedRequest
+from arbiter.errors import MalformedRequest
 
 
 def _no_constant(name: str) -> Any:

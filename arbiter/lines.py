@@ -12,10 +12,10 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from adapter import jsonio
-from adapter.errors import ArbiterError, EngineFailure, InvalidDecision
-from adapter.logging import get_logger
-from adapter.schema import DecisionRequest, DecisionResult
+from arbiter import jsonio
+from arbiter.errors import ArbiterError, EngineFailure, InvalidDecision
+from arbiter.logging import get_logger
+from arbiter.schema import DecisionRequest, DecisionResult
 
 log = get_logger("arbiter.lines")
 

@@ -17,12 +17,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapter.errors import ManifestMismatch, ModelLoadError
+from arbiter.errors import ManifestMismatch, ModelLoadError
 
 MANIFEST_NAME = "model-manifest.json"
 IMAGE_MODEL_DIR = Path("/opt/arbiter/model")
 """Where the container images assemble the bundled default at build time (``python -m
-adapter.model_files``), so that a container needs no writable home and no ~250 MB copy at start."""
+arbiter.models``), so that a container needs no writable home and no ~250 MB copy at start."""
 _BLOCK = 8 * 1024 * 1024
 
 
@@ -135,7 +135,7 @@ def smollm2_path() -> Path | None:
     return path if path.is_file() else None
 
 
-if __name__ == "__main__":  # the image build: python -m adapter.model_files [DIR]
+if __name__ == "__main__":  # the image build: python -m arbiter.models [DIR]
     import sys
 
     print(bake_bundled_model(Path(sys.argv[1]) if len(sys.argv) > 1 else IMAGE_MODEL_DIR))

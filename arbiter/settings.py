@@ -183,7 +183,7 @@ def from_environment() -> tuple[EngineSettings, ServerSettings, list[str]]:
     Returns the unknown ``SM_LLAMA_CPP_*`` names too, for a single warning at start-up. A model hub
     flag is refused: nothing is ever downloaded.
     """
-    from adapter.errors import UnsupportedSetting
+    from arbiter.errors import UnsupportedSetting
 
     env = os.environ
     engine_kw: dict[str, str] = {}

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from adapter.errors import ArbiterError
-from adapter.schema import DecisionRequest, DecisionResult
+from arbiter.errors import ArbiterError
+from arbiter.schema import DecisionRequest, DecisionResult
 
 Text = str | dict[str, Any] | list[Any]
 ALIASES = ("jev-latest", "default")

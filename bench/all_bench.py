@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from adapter.schema import DecisionRequest, DecisionResult
+from arbiter.schema import DecisionRequest, DecisionResult
 from bench import typed_gguf_compare
 from bench.local_servers import free_port, wait_until_ready
 
@@ -302,8 +302,8 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from adapter.engine import Engine
-    from adapter.settings import EngineSettings
+    from arbiter.engine import Engine
+    from arbiter.settings import EngineSettings
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

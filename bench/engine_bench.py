@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from adapter.engine import Engine, open_engine
-from adapter.prompt import state_text
-from adapter.schema import DecisionRequest
+from arbiter.engine import Engine, open_engine
+from arbiter.prompt import state_text
+from arbiter.schema import DecisionRequest
 
 _WORDS = [
     "customer",

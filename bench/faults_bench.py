@@ -22,8 +22,8 @@ from aiohttp import web
 
 from adapter import execution
 from adapter.app import create_app
-from adapter.engine import Engine, open_engine
-from adapter.settings import ServerSettings
+from arbiter.engine import Engine, open_engine
+from arbiter.settings import ServerSettings
 
 
 def _lines(count: int, questions: int) -> bytes:

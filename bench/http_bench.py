@@ -24,8 +24,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from adapter.engine import open_engine
-from adapter.schema import DecisionRequest
+from arbiter.engine import open_engine
+from arbiter.schema import DecisionRequest
 from bench.local_servers import free_port
 
 

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from adapter.engine import Engine
-from adapter.model_files import bundled_model, smollm2_path
-from adapter.schema import DecisionRequest, DecisionResult
-from adapter.settings import EngineSettings
+from arbiter.engine import Engine
+from arbiter.models import bundled_model, smollm2_path
+from arbiter.schema import DecisionRequest, DecisionResult
+from arbiter.settings import EngineSettings
 
 LABELED = Path(__file__).resolve().parent.parent / "examples" / "labeled.jsonl"
 

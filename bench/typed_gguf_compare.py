@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from adapter.schema import DecisionRequest
+from arbiter.schema import DecisionRequest
 from bench.local_servers import free_port, wait_until_ready
 
 START_TIMEOUT_S = 60.0

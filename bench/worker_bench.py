@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from adapter.settings import EngineSettings
+from arbiter.settings import EngineSettings
 from bench.engine_bench import QUESTIONS as ENGINE_QUESTIONS
 
 QUESTIONS = [*ENGINE_QUESTIONS, "What should happen next?", "Who should be told first?"]
@@ -216,7 +216,7 @@ async def measure(
 
 
 def main(args: argparse.Namespace) -> int:
-    from adapter.engine import open_engine
+    from arbiter.engine import open_engine
 
     settings = EngineSettings()
     threads = settings.n_threads

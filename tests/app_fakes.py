@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from adapter.engine import Generation
-from adapter.errors import ArbiterError, TooManyOptions
-from adapter.model_files import ResolvedModel
-from adapter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
+from arbiter.engine import Generation
+from arbiter.errors import ArbiterError, TooManyOptions
+from arbiter.models import ResolvedModel
+from arbiter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
 
 MODEL_INFO = ModelInfo(
     file="fake.gguf",

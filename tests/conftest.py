@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from hypothesis import settings as hypothesis_settings
 
-from adapter.engine import Engine
-from adapter.model_files import bundled_model, smollm2_path
-from adapter.schema import DecisionRequest
-from adapter.settings import EngineSettings
+from arbiter.engine import Engine
+from arbiter.models import bundled_model, smollm2_path
+from arbiter.schema import DecisionRequest
+from arbiter.settings import EngineSettings
 from tests.strategies import SCALE
 
 # Generated-input tests: reproducible in `make test` (derandomized, no example database), random

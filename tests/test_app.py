@@ -15,7 +15,7 @@ from structlog.contextvars import merge_contextvars
 from structlog.testing import capture_logs
 
 from adapter.app import STATE, create_app
-from adapter.settings import ServerSettings
+from arbiter.settings import ServerSettings
 from tests.app_fakes import FakeEngine, decision
 
 # Fixtures live on the session loop (pyproject: asyncio_default_fixture_loop_scope); so do tests.

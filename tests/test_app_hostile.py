@@ -16,9 +16,9 @@ import pytest
 
 from adapter import chat
 from adapter.app import STATE, create_app
-from adapter.errors import ArbiterError
-from adapter.schema import DecisionRequest, DecisionResult
-from adapter.settings import ServerSettings
+from arbiter.errors import ArbiterError
+from arbiter.schema import DecisionRequest, DecisionResult
+from arbiter.settings import ServerSettings
 from tests.app_fakes import FakeEngine, decision
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

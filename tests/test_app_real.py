@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from adapter.app import create_app
-from adapter.engine import Engine
-from adapter.schema import DecisionRequest
-from adapter.settings import ServerSettings
+from arbiter.engine import Engine
+from arbiter.schema import DecisionRequest
+from arbiter.settings import ServerSettings
 from tests.app_fakes import decision
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from adapter.errors import UnsupportedSetting
-from adapter.logging import request_id
-from adapter.settings import from_environment
+from arbiter.errors import UnsupportedSetting
+from arbiter.logging import request_id
+from arbiter.settings import from_environment
 
 
 def test_sm_llama_cpp_mapping(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapter import calibration as cal
-from adapter.engine import Engine
-from adapter.errors import ModelLoadError
 from adapter.evaluation import calibrate_records
-from adapter.schema import DecisionResult
-from adapter.settings import EngineSettings
+from arbiter.engine import Engine
+from arbiter.engine import calibration as cal
+from arbiter.errors import ModelLoadError
+from arbiter.schema import DecisionResult
+from arbiter.settings import EngineSettings
 from tests.conftest import decision
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from adapter import entrypoint
-from adapter.model_files import MANIFEST_NAME, sha256_file, smollm2_path
 from adapter.model_package import package_model
+from arbiter.models import MANIFEST_NAME, sha256_file, smollm2_path
 from tests.test_package_model import fake_gguf
 from tests.worker_support import CREDS, moto_endpoint, reset_moto
 
@@ -242,7 +242,7 @@ def test_entrypoint_tests_leave_the_environment_alone():
 def test_ggml_backends_are_registered():
     """A GGML_BACKEND_DL build (the CPU image) registers its backends here; this venv's build has
     them linked in, so the call finds them and loads nothing."""
-    from adapter.ggml_backends import load_backends
+    from arbiter.engine.backends import load_backends
 
     assert load_backends().count >= 1
 
@@ -279,14 +279,14 @@ def test_an_unwritable_path_is_one_clear_line(clean_env: pytest.MonkeyPatch, tmp
 
 
 def test_the_model_baked_into_an_image_is_the_bundled_default(tmp_path: Path, default_gguf: Path):
-    """`python -m adapter.model_files DIR` (an image build step) assembles the default there;
+    """`python -m arbiter.models DIR` (an image build step) assembles the default there;
     the bundled resolution then uses it, not the user cache."""
-    from adapter.model_files import bundled_model
+    from arbiter.models import bundled_model
 
     image_dir = tmp_path / "opt-arbiter-model"
     assert bundled_model(image_dir).path == default_gguf  # nothing baked: the user cache
     out = subprocess.run(
-        [sys.executable, "-m", "adapter.model_files", str(image_dir)],
+        [sys.executable, "-m", "arbiter.models", str(image_dir)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -101,7 +101,7 @@ def test_cpu_build_dispatches_at_runtime():
         assert flag in text
     assert "-march=native" not in text and "GGML_NATIVE=ON" not in text
     assert "ARBITER_IMAGE_N_GPU_LAYERS=0" in text
-    assert "python -m adapter.ggml_backends" in text  # the build checks that a backend loads
+    assert "python -m arbiter.engine.backends" in text  # the build checks that a backend loads
     source = DOCKERFILES["cpu"].read_text()
     assert "AMX" in source and "GGML_CPU_DROP_VARIANTS" in source  # how to exclude AMX variants
     # The smoke stage is built because the final stage copies from it.
@@ -137,11 +137,11 @@ def test_copied_paths_exist_and_are_not_ignored(kind: str):
 def test_the_default_model_is_baked_where_the_resolution_looks(kind: str):
     """Assembled at build time into IMAGE_MODEL_DIR and copied into the final image: a container
     writes nothing at start and runs with a read-only root filesystem."""
-    from adapter.model_files import IMAGE_MODEL_DIR
+    from arbiter.models import IMAGE_MODEL_DIR
 
     path = DOCKERFILES[kind]
     runs = " ".join(a for k, a in instructions(path) if k == "RUN")
-    assert f"python -m adapter.model_files {IMAGE_MODEL_DIR}" in runs
+    assert f"python -m arbiter.models {IMAGE_MODEL_DIR}" in runs
     copies = [a for k, a in final_stage(path) if k == "COPY"]
     assert f"--from=build {IMAGE_MODEL_DIR} {IMAGE_MODEL_DIR}" in copies
 

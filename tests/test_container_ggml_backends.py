@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from adapter.ggml_backends import loaded_cpu_variant
+from arbiter.engine.backends import loaded_cpu_variant
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,7 +17,7 @@ def ggml_libs():
     return sorted(set(re.findall(r"/(libggml[^/\\s]*)", open("/proc/self/maps").read())))
 import llama_cpp
 before = ggml_libs()
-from adapter.ggml_backends import load_backends
+from arbiter.engine.backends import load_backends
 found = load_backends()
 print(json.dumps({"before": before, "after": ggml_libs(), "count": found.count,
                   "variant": found.cpu_variant, "from": str(found.loaded_from)}))

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapter import prompt as prompts
-from adapter.engine import Engine
-from adapter.errors import ContextLengthExceeded, TooManyOptions
-from adapter.schema import DecisionRequest, DecisionResult
-from adapter.settings import EngineSettings
+from arbiter import prompt as prompts
+from arbiter.engine import Engine
+from arbiter.errors import ContextLengthExceeded, TooManyOptions
+from arbiter.schema import DecisionRequest, DecisionResult
+from arbiter.settings import EngineSettings
 from tests.conftest import decision
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

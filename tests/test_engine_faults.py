@@ -18,12 +18,12 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from adapter import engine as engine_module
-from adapter.engine import Engine
-from adapter.errors import ContextLengthExceeded, EngineFailure, InvalidDecision
-from adapter.prefix_cache import PrefixCache
-from adapter.schema import DecisionRequest, DecisionResult, Option
-from adapter.settings import EngineSettings
+from arbiter import engine as engine_module
+from arbiter.engine import Engine
+from arbiter.engine.prefix_cache import PrefixCache
+from arbiter.errors import ContextLengthExceeded, EngineFailure, InvalidDecision
+from arbiter.schema import DecisionRequest, DecisionResult, Option
+from arbiter.settings import EngineSettings
 from tests.conftest import decision
 from tests.strategies import SCALE
 
@@ -174,9 +174,9 @@ def test_a_model_without_bos_is_refused_or_served_never_aborts() -> None:
         """
         from pathlib import Path
         import llama_cpp
-        from adapter.engine import Engine
-        from adapter.errors import ModelLoadError
-        from adapter.settings import EngineSettings
+        from arbiter.engine import Engine
+        from arbiter.errors import ModelLoadError
+        from arbiter.settings import EngineSettings
 
         settings = EngineSettings(model_dir=Path("/nonexistent"), n_threads=1, n_ctx=512)
         llama_cpp.llama_vocab_bos = lambda vocab: -1  # a vocabulary without BOS
@@ -247,10 +247,10 @@ def test_close_waits_for_running_calls_and_later_calls_fail_cleanly() -> None:
         """
         import threading, time
         from pathlib import Path
-        from adapter.engine import Engine
-        from adapter.errors import EngineFailure
-        from adapter.schema import DecisionResult
-        from adapter.settings import EngineSettings
+        from arbiter.engine import Engine
+        from arbiter.errors import EngineFailure
+        from arbiter.schema import DecisionResult
+        from arbiter.settings import EngineSettings
         from tests.conftest import decision
 
         eng = Engine(EngineSettings(model_dir=Path("/nonexistent"), n_threads=2, n_ctx=1024))

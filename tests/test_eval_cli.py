@@ -150,7 +150,7 @@ def test_bad_task_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_calibrate_against_an_endpoint_writes_a_loadable_file(
     fake_url: str, tmp_path: Path
 ) -> None:
-    from adapter.calibration import Calibration
+    from arbiter.engine.calibration import Calibration
 
     target = tmp_path / "cal.json"
     out = io.StringIO()

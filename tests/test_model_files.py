@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from adapter.engine import Engine
-from adapter.errors import ManifestMismatch, ModelLoadError
-from adapter.model_files import MANIFEST_NAME, resolve_model, sha256_file, smollm2_path
-from adapter.settings import EngineSettings
+from arbiter.engine import Engine
+from arbiter.errors import ManifestMismatch, ModelLoadError
+from arbiter.models import MANIFEST_NAME, resolve_model, sha256_file, smollm2_path
+from arbiter.settings import EngineSettings
 
 
 @pytest.fixture(scope="module")

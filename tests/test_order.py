@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from adapter import ordering
-from adapter.engine import Engine
-from adapter.errors import TooManyOptions
-from adapter.schema import DecisionRequest, DecisionResult
+from arbiter.engine import Engine, ordering
+from arbiter.errors import TooManyOptions
+from arbiter.schema import DecisionRequest, DecisionResult
 from tests.conftest import decision
 
 

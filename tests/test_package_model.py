@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from adapter.cli import main as cli_main
-from adapter.errors import ManifestMismatch
-from adapter.model_files import MANIFEST_NAME, resolve_model, verify
 from adapter.model_package import PackageError, package_model, read_archive_manifest
+from arbiter.errors import ManifestMismatch
+from arbiter.models import MANIFEST_NAME, resolve_model, verify
 
 
 def fake_gguf(path: Path, size: int = 200_000) -> Path:

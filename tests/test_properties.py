@@ -22,14 +22,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from adapter import chat, jsonio, systemone
-from adapter import prompt as prompts
+from adapter import chat
 from adapter.app import create_app
-from adapter.engine import Engine
-from adapter.errors import ArbiterError
-from adapter.lines import parse_decision_line
-from adapter.schema import DecisionRequest, DecisionResult
-from adapter.settings import ServerSettings
+from arbiter import jsonio, systemone
+from arbiter import prompt as prompts
+from arbiter.engine import Engine
+from arbiter.errors import ArbiterError
+from arbiter.lines import parse_decision_line
+from arbiter.schema import DecisionRequest, DecisionResult
+from arbiter.settings import ServerSettings
 from tests.app_fakes import FakeEngine
 from tests.live_server import serve
 from tests.strategies import (
@@ -194,7 +195,7 @@ def test_any_system_one_body_is_decisions_or_a_422(value: dict[str, Any]) -> Non
 
 @pytest.fixture(scope="module")
 def small_engine(default_gguf: Any) -> Iterator[Engine]:
-    from adapter.settings import EngineSettings
+    from arbiter.settings import EngineSettings
 
     eng = Engine(EngineSettings(model=default_gguf, n_ctx=512, n_threads=2))
     yield eng

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from adapter.errors import ArbiterError
-from adapter.lines import parse_decision_line
+from arbiter.errors import ArbiterError
+from arbiter.lines import parse_decision_line
 
 
 def _line(**overrides: Any) -> dict[str, Any]:
@@ -102,7 +102,7 @@ def test_missing_fields_are_named() -> None:
 def test_state_with_nan_is_not_json() -> None:
     from pydantic import ValidationError
 
-    from adapter.schema import DecisionRequest
+    from arbiter.schema import DecisionRequest
 
     with pytest.raises(ValidationError, match="JSON-serializable"):
         DecisionRequest.model_validate(_line(state={"x": math.nan}))
@@ -142,7 +142,7 @@ def test_json_that_python_cannot_or_should_not_read_is_malformed(line: str, need
 
 
 def test_a_state_as_deep_as_allowed_is_accepted() -> None:
-    from adapter.schema import MAX_STATE_DEPTH
+    from arbiter.schema import MAX_STATE_DEPTH
 
     ok = parse_decision_line(json.dumps(_line(state={"k": _nest(MAX_STATE_DEPTH - 1)})))
     assert ok.state == {"k": _nest(MAX_STATE_DEPTH - 1)}

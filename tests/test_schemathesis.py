@@ -27,8 +27,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from adapter.app import OPENAPI_PATH, create_app
-from adapter.engine import Engine, Generation
-from adapter.settings import EngineSettings, ServerSettings
+from arbiter.engine import Engine, Generation
+from arbiter.settings import EngineSettings, ServerSettings
 from tests.live_server import serve
 from tests.strategies import examples
 
@@ -110,8 +110,8 @@ def test_generated_requests_get_documented_answers_and_no_5xx(
 def test_the_documents_request_schemas_are_the_wire_models_own() -> None:
     """The hand-kept document states the limits the server enforces (schemathesis trusts it)."""
     from adapter.chat import ChatCompletionRequest
-    from adapter.schema import DecisionRequest
-    from adapter.systemone import SystemOneRequest
+    from arbiter.schema import DecisionRequest
+    from arbiter.systemone import SystemOneRequest
 
     documented = _DOC["components"]["schemas"]
     for model in (DecisionRequest, ChatCompletionRequest, SystemOneRequest):

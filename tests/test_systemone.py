@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from adapter import systemone
-from adapter.engine import Engine
-from adapter.schema import DecisionResult
+from arbiter import systemone
+from arbiter.engine import Engine
+from arbiter.schema import DecisionResult
 
 STATE = {"ticket": "I was charged twice for March.", "customer": {"plan": "pro"}}
 
@@ -149,7 +149,7 @@ def test_answers_from_the_real_engine_share_one_state(engine: Engine) -> None:
 
 
 def test_a_server_side_failure_is_not_reported_as_the_callers_422() -> None:
-    from adapter.errors import EngineFailure, TooManyOptions
+    from arbiter.errors import EngineFailure, TooManyOptions
     from tests.app_fakes import uniform_result
 
     req = _request(a={"type": "noul"}, b={"type": "noul"})

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 from pydantic import ValidationError
 
-from adapter.errors import ArbiterError
-from adapter.schema import DecisionRequest
+from arbiter.errors import ArbiterError
+from arbiter.schema import DecisionRequest
 from tests.worker_support import decision_line
 from worker.events import Ignored, JobRef, UnreadableMessage, parse_message
 from worker.formats import items_for

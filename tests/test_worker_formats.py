@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from adapter.errors import ArbiterError
-from adapter.schema import DecisionRequest
+from arbiter.errors import ArbiterError
+from arbiter.schema import DecisionRequest
 from tests.worker_support import FakeEngine, decision_line
 from worker.formats import items_for
 from worker.jobs import JobFailed, write_records

@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from adapter.engine import Engine
+from arbiter.engine import Engine
 from tests.worker_support import (
     FakeEngine,
     aws_clients,

@@ -13,8 +13,8 @@ import urllib.request
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from adapter.errors import ArbiterError
-from adapter.schema import DecisionRequest, DecisionResult
+from arbiter.errors import ArbiterError
+from arbiter.schema import DecisionRequest, DecisionResult
 from tests.app_fakes import MODEL_INFO, uniform_result
 
 CREDS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}

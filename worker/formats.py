@@ -23,9 +23,9 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from adapter.errors import ArbiterError, InvalidDecision, MalformedRequest, PayloadTooLarge
-from adapter.lines import validation_error
-from adapter.schema import DecisionRequest
+from arbiter.errors import ArbiterError, InvalidDecision, MalformedRequest, PayloadTooLarge
+from arbiter.lines import validation_error
+from arbiter.schema import DecisionRequest
 
 PIECE = 1 << 20  # bytes read from S3, or inflated from gzip, at a time
 DEFAULT_MAX_ITEM = 6 << 20  # as the adapter's largest JSON body

@@ -32,8 +32,8 @@ from typing import IO, Any, Protocol
 
 from botocore.exceptions import ClientError
 
-from adapter.errors import ArbiterError, EngineFailure
-from adapter.schema import DecisionRequest, DecisionResult, ModelInfo
+from arbiter.errors import ArbiterError, EngineFailure
+from arbiter.schema import DecisionRequest, DecisionResult, ModelInfo
 from worker.events import JobRef, normalize_etag
 from worker.formats import PIECE, Item, items_for
 from worker.settings import WorkerSettings
@@ -46,7 +46,7 @@ Runner = Callable[..., Awaitable[Any]]
 
 
 class Scorer(Protocol):
-    """What a job needs from the engine (``adapter.engine.Engine``, or a fake in tests)."""
+    """What a job needs from the engine (``arbiter.engine.Engine``, or a fake in tests)."""
 
     model_info: ModelInfo
 

@@ -111,7 +111,7 @@ def worker_main(settings_data: dict[str, Any], index: int) -> None:
 async def _worker(settings: WorkerSettings) -> None:
     from aiobotocore.session import get_session
 
-    from adapter.settings import EngineSettings
+    from arbiter.settings import EngineSettings
     from worker.metrics import WorkerMetrics
     from worker.queue import Consumer, describe_queue
 

@@ -18,7 +18,7 @@ def _cores() -> int:
 class WorkerSettings(BaseSettings):
     """Where jobs come from and go to, and how the pool runs them (env prefix ``ARBITER_``).
 
-    The engine itself is configured by :class:`adapter.settings.EngineSettings` (``ARBITER_MODEL``,
+    The engine itself is configured by :class:`arbiter.settings.EngineSettings` (``ARBITER_MODEL``,
     ``ARBITER_N_CTX``, ...); the pool overrides only ``n_threads`` (cores / processes).
     """
 
@@ -53,7 +53,7 @@ class WorkerSettings(BaseSettings):
         default=None, ge=1, description="llama.cpp threads per process; unset: cores / processes."
     )
     worker_engine_factory: str = Field(
-        default="adapter.engine:open_engine",
+        default="arbiter.engine:open_engine",
         description="`module:callable` building the engine from EngineSettings (tests use a fake).",
     )
     chunk_decisions: int = Field(

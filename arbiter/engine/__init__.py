@@ -23,9 +23,12 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from adapter import calibration, ordering
-from adapter import prompt as prompts
-from adapter.errors import (
+from arbiter import prompt as prompts
+from arbiter.engine import calibration, ordering
+from arbiter.engine.backends import load_backends
+from arbiter.engine.llama import NumpyBatch
+from arbiter.engine.prefix_cache import PrefixCache, prefix_key
+from arbiter.errors import (
     ArbiterError,
     ContextLengthExceeded,
     EngineFailure,
@@ -34,13 +37,10 @@ from adapter.errors import (
     ModelLoadError,
     TooManyOptions,
 )
-from adapter.ggml_backends import load_backends
-from adapter.llama_batch import NumpyBatch
-from adapter.logging import get_logger
-from adapter.model_files import ResolvedModel, resolve_model, verify
-from adapter.prefix_cache import PrefixCache, prefix_key
-from adapter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
-from adapter.settings import EngineSettings
+from arbiter.logging import get_logger
+from arbiter.models import ResolvedModel, resolve_model, verify
+from arbiter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
+from arbiter.settings import EngineSettings
 
 # llama-cpp-python does not expose the llama.cpp commit it vendors; its changelog names it.
 _VENDORED_LLAMA_CPP = {"0.3.36": "ggml-org/llama.cpp@0c1e57098"}
@@ -378,8 +378,8 @@ class Engine:
         A decision that cannot be scored (too many options, too long, text that is not Unicode,
         non-finite logits, any other failure of its own) becomes its typed error in its slot; the
         others are scored regardless. ``order_samples`` expands a decision into several option
-        orders over its state (``adapter.ordering``); a calibration file sets the temperature of
-        decisions that set none (``adapter.calibration``). Raises only for the whole call: the
+        orders over its state (``arbiter.engine.ordering``); a calibration file sets the temperature of
+        decisions that set none (``arbiter.engine.calibration``). Raises only for the whole call: the
         engine is closed.
         """
         expanded, plan = ordering.expand(decisions)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from adapter.errors import ModelLoadError
+from arbiter.errors import ModelLoadError
 
 FORMAT = "arbiter-calibration-v1"
 QUESTION_TYPES = ("noul", "choice", "score")

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adapter.errors import ArbiterError
-from adapter.schema import DecisionRequest, DecisionResult, PromptInfo, Timing
+from arbiter.errors import ArbiterError
+from arbiter.schema import DecisionRequest, DecisionResult, PromptInfo, Timing
 
 MAX_ORDER_SAMPLES = 8
 _MARK = "#order"
