@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from arbiter.engine.backends import gpu_offload_supported
 from arbiter.errors import ArbiterError, ModelLoadError
 
 COMMANDS = ("serve", "work")
@@ -88,15 +89,6 @@ def apply_image_defaults(env: MutableMapping[str, str], image_n_gpu_layers: int 
         if value is not None and value.strip().lower() != "auto":
             return
     env["ARBITER_N_GPU_LAYERS"] = str(image_n_gpu_layers)
-
-
-def gpu_offload_supported() -> bool:
-    import llama_cpp
-
-    from arbiter.engine.backends import load_backends
-
-    load_backends()  # a GGML_BACKEND_DL build reports no GPU until its backends are loaded
-    return bool(llama_cpp.llama_supports_gpu_offload())
 
 
 def _unusable_path(exc: OSError) -> str:
@@ -167,12 +159,12 @@ def preflight(
 ) -> dict[str, Any]:
     """Everything checked before the exec, on ``os.environ`` (which the exec passes on, image
     defaults applied); returns what was found, logged as one JSON line."""
-    from arbiter.engine.backends import load_backends, quiet_llama_logs
+    from arbiter.engine.backends import load_backends, route_llama_logs
     from arbiter.models import _find_in_dir, resolve_model, verify
     from arbiter.settings import from_environment
 
     apply_image_defaults(os.environ, settings.image_n_gpu_layers)
-    quiet_llama_logs()  # the report below names the CPU variant; ggml's own line would be a second
+    route_llama_logs()  # the report below names the CPU variant; ggml's own line would be a second
     try:
         engine, server, unknown = from_environment()
     except ArbiterError as exc:

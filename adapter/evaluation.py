@@ -32,6 +32,7 @@ import numpy as np
 from adapter import eval_metrics
 from adapter.eval_tasks import EvalItem, TaskFileError, load
 from arbiter.engine import calibration
+from arbiter.engine.probabilities import softmax
 from arbiter.schema import DecisionRequest
 
 Outcome = tuple[dict[str, Any] | None, dict[str, Any] | None]  # (result, error)
@@ -380,7 +381,7 @@ def scored_metrics(
     """NLL, Brier, ECE and accuracy of logit records under a per-record temperature."""
     if not records:
         return {"n": 0, "nll": None, "brier": None, "ece": None, "accuracy": None}
-    probs = [calibration.softmax(r["option_logits"], temperature(r)) for r in records]
+    probs = [softmax(r["option_logits"], temperature(r)).tolist() for r in records]
     labels = [r["label_index"] for r in records]
     top = [int(np.argmax(p)) for p in probs]
     nll = -float(np.mean([math.log(max(p[y], 1e-300)) for p, y in zip(probs, labels, strict=True)]))
@@ -473,7 +474,7 @@ def cmd_calibrate(args: argparse.Namespace, out: Any = None) -> int:
     if held_rows:
 
         def curve(temp: Callable[[dict[str, Any]], float]) -> tuple[list[float], list[bool]]:
-            probs = [calibration.softmax(r["option_logits"], temp(r)) for r in held_rows]
+            probs = [softmax(r["option_logits"], temp(r)).tolist() for r in held_rows]
             return [max(p) for p in probs], [
                 int(np.argmax(p)) == r["label_index"] for p, r in zip(probs, held_rows, strict=True)
             ]

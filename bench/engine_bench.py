@@ -23,6 +23,7 @@ import numpy as np
 from arbiter.engine import Engine, open_engine
 from arbiter.prompt import state_text
 from arbiter.schema import DecisionRequest
+from bench import floor
 
 _WORDS = [
     "customer",
@@ -113,7 +114,7 @@ def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
         request = _decision(r, _sized_state(engine, 1000 * target + r, target))
         tokens = engine.prompt_tokens(request)
         n_tokens = len(tokens)
-        _, floor_s = engine.plain_pass(tokens)
+        _, floor_s = floor.plain_pass(engine, tokens)
         started = time.perf_counter()
         outcome = engine.score([request])[0]
         elapsed = time.perf_counter() - started
@@ -158,8 +159,8 @@ def bench_shared(engine: Engine, repeats: int) -> dict[str, Any]:
             engine.score([request])
         independent_s = time.perf_counter() - started
         tokens = [engine.prompt_tokens(q) for q in requests]
-        prefix_s, suffix_s = engine.floor_shared(
-            tokens[0][:prefix_len], [t[prefix_len:] for t in tokens]
+        prefix_s, suffix_s = floor.floor_shared(
+            engine, tokens[0][:prefix_len], [t[prefix_len:] for t in tokens]
         )
         if r:
             grouped.append(grouped_s)
@@ -179,11 +180,11 @@ def bench_shared(engine: Engine, repeats: int) -> dict[str, Any]:
 
 def bench_memory(engine: Engine) -> dict[str, Any]:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    budget = engine.model_info.bytes + engine.kv_cache_bytes() + 400 * 1024 * 1024
+    budget = engine.model_info.bytes + engine.llama.kv_cache_bytes() + 400 * 1024 * 1024
     return {
         "peak_rss_mb": peak / 2**20,
         "gguf_mb": engine.model_info.bytes / 2**20,
-        "kv_cache_mb": engine.kv_cache_bytes() / 2**20,
+        "kv_cache_mb": engine.llama.kv_cache_bytes() / 2**20,
         "budget_mb": budget / 2**20,
         "ratio": peak / budget,
     }

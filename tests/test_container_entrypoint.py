@@ -14,6 +14,7 @@ import pytest
 
 from adapter import entrypoint
 from adapter.model_package import package_model
+from arbiter.engine import backends
 from arbiter.models import MANIFEST_NAME, sha256_file, smollm2_path
 from tests.test_package_model import fake_gguf
 from tests.worker_support import CREDS, moto_endpoint, reset_moto
@@ -125,7 +126,7 @@ def test_gpu_layers_on_a_cpu_build_are_refused(
     clean_env: pytest.MonkeyPatch, model_dir: Path, capsys
 ):
     """The real check against this machine's llama.cpp build, which has no GPU backend."""
-    assert not entrypoint.gpu_offload_supported()
+    assert not backends.gpu_offload_supported()
     clean_env.setenv("SM_MODEL_DIR", str(model_dir))
     clean_env.setenv("ARBITER_N_GPU_LAYERS", "-1")
     code, stub = run(["serve"])

@@ -14,6 +14,7 @@ from arbiter.engine import Engine
 from arbiter.errors import ContextLengthExceeded, TooManyOptions
 from arbiter.schema import DecisionRequest, DecisionResult
 from arbiter.settings import EngineSettings
+from bench.floor import reference_option_logits
 from tests.conftest import decision
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -51,7 +52,7 @@ KERNEL_TOLERANCE = 0.5
 
 
 def test_every_label_is_one_token_that_round_trips(engine: Engine) -> None:
-    ids = engine.label_token_ids
+    ids = engine.labels.token_ids
     assert ids.shape[0] == 26
     for row, letter in zip(ids, prompts.LETTERS, strict=True):
         pieces = {engine.piece(int(t)).strip() for t in row}
@@ -134,7 +135,7 @@ def test_shared_state_agrees_with_decisions_scored_one_by_one(engine: Engine) ->
     for request, result in zip(requests, grouped, strict=True):
         alone = _alone(engine, request)
         assert np.allclose(result.option_logits, alone, atol=1e-3), (result.option_logits, alone)
-        plain = engine.reference_option_logits(request)
+        plain = reference_option_logits(engine, request)
         assert np.allclose(result.option_logits, plain, atol=KERNEL_TOLERANCE)
 
 
@@ -273,7 +274,7 @@ def test_user_text_cannot_inject_control_tokens(which: str, request: pytest.Fixt
     # The special-token text really is a control token when parsed as template text.
     assert any(
         eng.is_control(int(t))
-        for t in eng._tokenize(INJECTIONS["chatml"] + INJECTIONS["gemma"], special=True)
+        for t in eng.llama.tokenize(INJECTIONS["chatml"] + INJECTIONS["gemma"], special=True)
     )
     assert _ok(eng.score([hostile])[0]).choice in {"a", "b"}
 
@@ -291,5 +292,5 @@ def test_segment_tokenization_matches_whole_text_for_benign_content(chat_engine:
     """Tokenizing the template and the caller's content apart costs nothing on normal input."""
     for eng in (chat_engine,):
         request = decision(state={"a": 1, "b": "text"})
-        whole = eng._tokenize(eng.render_text(request), special=True)
+        whole = eng.llama.tokenize(eng.render_text(request), special=True)
         assert np.array_equal(whole, eng.prompt_tokens(request))

@@ -18,8 +18,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from arbiter import engine as engine_module
-from arbiter.engine import Engine
+from arbiter.engine import Engine, backends
 from arbiter.engine.prefix_cache import PrefixCache
 from arbiter.errors import ContextLengthExceeded, EngineFailure, InvalidDecision
 from arbiter.schema import DecisionRequest, DecisionResult, Option
@@ -135,14 +134,14 @@ def test_a_temperature_that_overflows_fails_only_its_own_decision(engine: Engine
 def test_non_finite_logits_fail_only_that_decision(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    read = engine._read
+    read = engine._scoring._read
 
     def poisoned(p: Any, batch_index: int) -> None:
         read(p, batch_index)
         if p.request.id == "nan":
             p.logits = np.full_like(p.logits, np.nan)
 
-    monkeypatch.setattr(engine, "_read", poisoned)
+    monkeypatch.setattr(engine._scoring, "_read", poisoned)
     outcomes = engine.score([decision("ok1"), decision("nan", question="Other?"), decision("ok2")])
     assert isinstance(outcomes[1], EngineFailure)
     assert "non-finite" in outcomes[1].message
@@ -152,14 +151,14 @@ def test_non_finite_logits_fail_only_that_decision(
 def test_an_unexpected_failure_in_one_decision_is_its_typed_error(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    prepare = engine._prepare
+    prepare = engine._scoring._prepare
 
     def flaky(index: int, request: DecisionRequest) -> Any:
         if request.id == "boom":
             raise RuntimeError("simulated fault")
         return prepare(index, request)
 
-    monkeypatch.setattr(engine, "_prepare", flaky)
+    monkeypatch.setattr(engine._scoring, "_prepare", flaky)
     outcomes = engine.score([decision("boom"), decision("ok")])
     assert isinstance(outcomes[0], EngineFailure) and outcomes[0].status == 500
     assert _ok(outcomes[1]).id == "ok"
@@ -209,12 +208,12 @@ def test_buffers_are_sized_for_the_outputs_read_not_n_batch(default_gguf: Path) 
     def capture(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         lines.append(text.decode("utf-8", "replace"))
 
-    engine_module._init_backend()
+    backends.init()
     llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
     try:
         eng = Engine(EngineSettings(model=default_gguf, n_ctx=512, n_threads=2, max_branches=4))
     finally:
-        llama_cpp.llama_log_set(engine_module._llama_log, ctypes.c_void_p(0))
+        backends.route_llama_logs()
     try:
         sizes = {
             kind: float(line.split("=")[-1].split()[0])
@@ -228,7 +227,7 @@ def test_buffers_are_sized_for_the_outputs_read_not_n_batch(default_gguf: Path) 
         assert sizes["compute buffer"] < 64, sizes  # 514 MiB without the cap
         # A slice that asks for more outputs than the cap is refused before llama.cpp sees it.
         with pytest.raises(EngineFailure, match="outputs"):
-            eng._decode_stream(
+            eng.llama.decode(
                 np.arange(10, dtype=np.int32),
                 np.arange(10, dtype=np.int32),
                 np.zeros(10, np.int32),

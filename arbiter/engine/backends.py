@@ -1,12 +1,12 @@
-"""llama.cpp's dynamically loadable backends, for builds made with ``GGML_BACKEND_DL=ON``.
+"""llama.cpp set-up, once per process: loadable backends (``GGML_BACKEND_DL=ON``), logs, init.
 
 The container images build llama-cpp-python with ``GGML_BACKEND_DL=ON GGML_CPU_ALL_VARIANTS=ON``: the
 CPU backend is compiled once per x86 feature level (sse42, haswell, skylakex, icelake, zen4, ...) as
 a separate ``libggml-cpu-*.so`` and ggml loads the best one for the CPU it runs on (each variant
 scores itself). Such a build has *no* backend until ``ggml_backend_load_all*`` is called, and
 llama-cpp-python does not call it (abetlen/llama-cpp-python#2069): model loading fails with "no
-backends are loaded". Every process that loads a model calls :func:`load_backends` once first (the
-engine's backend initialisation; the container entrypoint, which logs the variant it got). On a
+backends are loaded". Every process that loads a model calls :func:`init` once first (the engine
+does); the container entrypoint calls :func:`load_backends` and logs the variant it got. On a
 build with the backends linked in (the development venv) it loads nothing.
 
 The registry that matters is the one in the ``libggml`` that ``libllama`` is linked against, so the
@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import re
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,17 +86,42 @@ def _stderr_errors_only(level: int, text: bytes | None, user_data: ctypes.c_void
 
 
 _log_callback: object = None  # kept alive for as long as llama.cpp may call it
+_init_lock = threading.Lock()
+_initialized = False
 
 
-def quiet_llama_logs() -> None:
-    """Only llama.cpp's and ggml's errors reach stderr; their info lines ("load_backend: loaded CPU
-    backend from ...") would break a process whose output is one line (the entrypoint)."""
+def route_llama_logs() -> None:
+    """Only llama.cpp's and ggml's errors reach stderr; their chatty load and graph lines (and
+    "load_backend: loaded CPU backend from ...", which would break a process whose output is one
+    line: the entrypoint) are dropped."""
     global _log_callback
     import llama_cpp
 
     if _log_callback is None:
         _log_callback = llama_cpp.llama_log_callback(_stderr_errors_only)
     llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+
+def init() -> None:
+    """Once per process, before the first model: logs routed, backends loaded, llama.cpp started."""
+    global _initialized
+    with _init_lock:
+        if not _initialized:
+            import llama_cpp
+
+            route_llama_logs()
+            load_backends()  # a GGML_BACKEND_DL build (the CPU image) has none until loaded
+            llama_cpp.llama_backend_init()
+            _initialized = True
+
+
+def gpu_offload_supported() -> bool:
+    """Whether this llama.cpp build can offload layers to a GPU (its backends loaded first: a
+    GGML_BACKEND_DL build reports no GPU until they are)."""
+    import llama_cpp
+
+    load_backends()
+    return bool(llama_cpp.llama_supports_gpu_offload())
 
 
 def load_backends(search: list[Path] | None = None) -> Backends:

@@ -21,7 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from arbiter.errors import ModelLoadError
+from arbiter.engine.probabilities import softmax
+from arbiter.errors import ArbiterError, ModelLoadError
+from arbiter.schema import DecisionRequest, DecisionResult
 
 FORMAT = "arbiter-calibration-v1"
 QUESTION_TYPES = ("noul", "choice", "score")
@@ -77,12 +79,6 @@ def fit_temperature(
     return float(math.exp((lo + hi) / 2))
 
 
-def softmax(logits: Sequence[float], temperature: float) -> list[float]:
-    z = np.asarray(logits, dtype=np.float64) / temperature
-    e = np.exp(z - z.max())
-    return [float(x) for x in e / e.sum()]
-
-
 @dataclass(frozen=True)
 class Calibration:
     """Fitted temperatures, and the model they belong to."""
@@ -133,6 +129,22 @@ class Calibration:
             by_type={k: float(v) for k, v in (raw.get("temperatures") or {}).items()},
             model_sha256=model.get("sha256"),
             model_file=model.get("file"),
+        )
+
+    def apply(
+        self, request: DecisionRequest, outcome: DecisionResult | ArbiterError
+    ) -> DecisionResult | ArbiterError:
+        """The result's probabilities at the calibrated temperature, unless the request set its
+        own (or it is an error)."""
+        if request.temperature is not None or isinstance(outcome, ArbiterError):
+            return outcome
+        temperature = self.temperature_for(request.question_type)
+        return outcome.model_copy(
+            update={
+                "probabilities": softmax(outcome.option_logits, temperature).tolist(),
+                "temperature": temperature,
+                "probability_status": "calibrated",
+            }
         )
 
     def check_model(self, sha256: str, file: str) -> None:

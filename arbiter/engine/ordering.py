@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from arbiter.engine.probabilities import softmax
 from arbiter.errors import ArbiterError
 from arbiter.schema import DecisionRequest, DecisionResult, PromptInfo, Timing
 
@@ -97,13 +98,6 @@ def expand(decisions: Sequence[DecisionRequest]) -> tuple[list[DecisionRequest],
     return expanded, Plan(slots, orders)
 
 
-def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
-    scaled = logits / temperature
-    scaled = scaled - scaled.max()
-    e = np.exp(scaled)
-    return e / e.sum()
-
-
 def align(request: DecisionRequest, results: Sequence[DecisionResult]) -> np.ndarray:
     """Option logits of each variant, reindexed into the request's option order: (K, n)."""
     ids = [o.id for o in request.options]
@@ -122,7 +116,7 @@ def merge_one(
     if len(results) == 1:
         return first
     mean = align(request, results).mean(axis=0)
-    probs = _softmax(mean, temperature)
+    probs = softmax(mean, temperature)
     ids = [o.id for o in request.options]
     return first.model_copy(
         update={
