@@ -10,20 +10,19 @@ cleanly.
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiohttp import web
 
 from adapter.admission import Admission
-from adapter.bodies import MB, iter_lines
+from adapter.bodies import iter_lines
 from adapter.metrics import Metrics
+from adapter.state import REQUEST_LOG, RequestLog, State
 from adapter.streaming import OPEN_STREAM, OpenStream
 from arbiter import jsonio
 from arbiter.engine import Engine
 from arbiter.errors import ArbiterError, EngineFailure, PayloadTooLarge, RequestTimeout, ServerBusy
 from arbiter.lines import score_lines
 from arbiter.logging import get_logger
-from arbiter.settings import ServerSettings
+from arbiter.settings import MB, ServerSettings
 
 Batch = list[tuple[int, bytes | ArbiterError]]
 log = get_logger("arbiter.http")
@@ -51,6 +50,16 @@ def score_chunk(engine: Engine, metrics: Metrics, batch: Batch) -> tuple[bytes, 
     return body, len(records), tokens
 
 
+async def respond(request: web.Request, state: State) -> web.StreamResponse:
+    """One decision per line in, one result or error per line out."""
+    s = state.settings
+    if request.content_length is not None and request.content_length > s.max_jsonl_mb * MB:
+        raise PayloadTooLarge(f"the body is over {s.max_jsonl_mb:g} MB (ARBITER_MAX_JSONL_MB)")
+    engine = state.holder.require()
+    lines = LinesResponse(request, engine, state.admission, state.metrics, s, request[REQUEST_LOG])
+    return await lines.run()
+
+
 class LinesResponse:
     """One JSON Lines request's stream: reads chunks, scores each under its own slot."""
 
@@ -61,7 +70,7 @@ class LinesResponse:
         admission: Admission,
         metrics: Metrics,
         settings: ServerSettings,
-        info: Any,
+        info: RequestLog,
     ) -> None:
         self.request = request
         self.engine = engine

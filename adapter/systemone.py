@@ -1,23 +1,26 @@
-"""`POST /v1/systemone` over HTTP: auth, 422 in FastAPI's shape, and the shared admission control.
+"""TypeSafe System One over HTTP (`POST /v1/systemone`, and a System One body on `/invocations`).
 
-The same handler answers a System One body posted to `/invocations`, so a SageMaker endpoint serves
-System One clients too. Busy and not-ready answers are the app's 503 with `Retry-After`, which the SDK
-maps to its server-error class and retries.
+The mapping onto decisions is the core's (``arbiter.systemone``); here the body is read, every question
+is scored over the one state under the app's admission control, and the answer is written. Its
+errors are raised like any other: the middleware answers a ``SystemOneInvalid`` with 422 and
+FastAPI's ``{"detail": [...]}``. Busy and not-ready answers are the app's 503 with `Retry-After`, which
+the SDK maps to its server-error class and retries.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
+from adapter.bodies import read_json
+from adapter.state import REQUEST_LOG, STATE, State
 from arbiter import jsonio, systemone
 from arbiter.engine import Engine
-from arbiter.errors import ArbiterError, MalformedRequest
-from arbiter.schema import DecisionResult
+from arbiter.errors import MalformedRequest
+from arbiter.scorer import Outcome
 
 
 def served_model_id(engine: Engine) -> str:
@@ -26,33 +29,8 @@ def served_model_id(engine: Engine) -> str:
     return "arbiter/" + (name[: -len(".gguf")] if name.endswith(".gguf") else name)
 
 
-def unauthorized() -> web.Response:
-    return web.json_response(
-        {"detail": "missing or invalid API key: send 'Authorization: Bearer <ARBITER_API_KEY>'"},
-        status=401,
-        headers={"WWW-Authenticate": "Bearer"},
-    )
-
-
-def authorized(request: web.Request, api_key: str | None) -> bool:
-    """True when no key is configured, or the bearer token matches it exactly.
-
-    Compared as UTF-8 bytes: ``hmac.compare_digest`` refuses non-ASCII ``str`` (a 500 for any
-    client that sent one); aiohttp hands undecodable header bytes over as surrogate escapes.
-    """
-    if not api_key:
-        return True
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    sent = token.strip().encode("utf-8", "surrogateescape")
-    return scheme.lower() == "bearer" and hmac.compare_digest(sent, api_key.encode("utf-8"))
-
-
-def invalid(exc: systemone.SystemOneInvalid) -> web.Response:
-    return web.json_response({"detail": exc.detail}, status=422)
-
-
 def parse_body(body: bytes) -> Any:
+    """JSON that cannot be read is the System One API's 422 (``json_invalid``), not a 400."""
     try:
         return jsonio.loads(body)
     except MalformedRequest as exc:  # not JSON, not UTF-8, nested too deeply, a 5,000-digit int
@@ -61,19 +39,28 @@ def parse_body(body: bytes) -> Any:
         ) from exc
 
 
-async def answer(raw: Any, engine: Engine, slot_run: Any) -> tuple[dict[str, Any], int, int]:
-    """Validate, score every question over the one state, and assemble the response.
+async def systemone_route(request: web.Request) -> web.Response:
+    """`POST /v1/systemone`: the TypeSafe System One API."""
+    state = request.app[STATE]
+    request[REQUEST_LOG].kind = "systemone"
+    body = await read_json(request, state.settings)
+    raw = await asyncio.to_thread(parse_body, body)
+    return await respond(request, state, raw)
 
-    ``slot_run(fn)`` runs blocking work under the app's admission control. Returns the body, the
-    question count and the input tokens (for the request log).
-    """
-    request = await asyncio.to_thread(systemone.parse_request, raw)
+
+async def respond(request: web.Request, state: State, raw: Any) -> web.Response:
+    """Validate, score every question over the one state, and answer."""
+    engine = state.holder.require()
+    parsed = await asyncio.to_thread(systemone.parse_request, raw)
     model_id = served_model_id(engine)
-    systemone.check_model(request.model, model_id)
-    decisions = systemone.to_decisions(request)
-    outcomes: list[DecisionResult | ArbiterError] = await slot_run(engine.score, decisions)
-    body = systemone.assemble(request, outcomes, model_id)
-    return body, len(decisions), body["usage"]["input_tokens"]
+    systemone.check_model(parsed.model, model_id)
+    decisions = systemone.to_decisions(parsed)
+    async with state.admission.slot() as slot:
+        outcomes: list[Outcome] = await slot.run(engine.score, decisions)
+    body = systemone.assemble(parsed, outcomes, model_id)
+    request[REQUEST_LOG].decisions = len(decisions)
+    request[REQUEST_LOG].tokens = body["usage"]["input_tokens"]
+    return web.json_response(body)
 
 
 def models_listing(engine: Engine) -> list[dict[str, str]]:

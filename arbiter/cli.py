@@ -1,100 +1,49 @@
-"""The ``arbiter`` command line."""
+"""The ``arbiter`` command (``python -m arbiter``): the composition root.
+
+Each package registers its own subcommands (its ``register(subparsers)``); this is the one module of
+the core that imports the entry points, and it imports only the package of the command being run, so
+``arbiter serve`` loads neither the worker nor the benchmarks. ``arbiter --help`` loads them all.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from collections.abc import Iterator
-from pathlib import Path
-from typing import TextIO
+import importlib
+from collections.abc import Sequence
 
-from arbiter.lines import Line, score_lines
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                yield number, line
-
-
-def cmd_decide(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    """Score each line of a JSONL file; print one result or error line per input line."""
-    from tqdm import tqdm
-
-    from arbiter.engine import open_engine
-
-    engine = open_engine(model=args.model)
-    lines = list(_lines(Path(args.file)))
-    failures = 0
-    with tqdm(total=len(lines), unit="decision", file=sys.stderr, disable=args.quiet) as bar:
-        for start in range(0, len(lines), args.chunk):
-            chunk: list[tuple[int, Line]] = list(lines[start : start + args.chunk])
-            for record in score_lines(engine, chunk):
-                failures += "error" in record
-                out.write(json.dumps(record) + "\n")
-            bar.update(len(chunk))
-    engine.close()
-    return 1 if failures and failures == len(lines) else 0
+# Subcommand -> the module whose ``register`` adds it (with its siblings).
+COMMANDS = {
+    "decide": "arbiter.decide",
+    "serve": "adapter.cli",
+    "entrypoint": "adapter.cli",
+    "work": "worker.cli",
+    "submit": "worker.cli",
+    "local": "worker.cli",
+    "eval": "adapter.evaluation",
+    "calibrate": "adapter.evaluation",
+    "bench": "bench.cli",
+    "package-model": "infra.cli",
+    "deploy": "infra.cli",
+}
 
 
-def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from bench.engine_bench import main as bench_main
-
-    return bench_main(args)
-
-
-def cmd_bench_models(args: argparse.Namespace) -> int:
-    from bench.models_bench import main as bench_main
-
-    return bench_main(args)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="arbiter", description=__doc__)
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with ``command``'s package registered, or every package's when it is None (or
+    not a known command: argparse then lists them all)."""
+    parser = argparse.ArgumentParser(
+        prog="arbiter", description="Decision models served with llama.cpp."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-
-    decide = sub.add_parser("decide", help="score a JSONL file of decisions, print JSONL results")
-    decide.add_argument("file", help="one decision {id, state, question, options} per line")
-    decide.add_argument("--model", type=Path, default=None, help="a .gguf (else ARBITER_MODEL...)")
-    decide.add_argument("--chunk", type=int, default=64, help="decisions scored per engine call")
-    decide.add_argument("--quiet", action="store_true", help="no progress bar")
-    decide.set_defaults(func=cmd_decide)
-
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="suite", required=True)
-    engine = bench_sub.add_parser("engine", help="engine latency vs the llama_decode floor")
-    engine.add_argument("--model", type=Path, default=None)
-    engine.add_argument("--json", action="store_true", help="print JSON (last line: the ratios)")
-    engine.add_argument("--repeats", type=int, default=5)
-    engine.set_defaults(func=cmd_bench_engine)
-    models = bench_sub.add_parser("models", help="compare the bundled candidate models")
-    models.add_argument("--file", default="examples/labeled.jsonl", help="labeled decisions")
-    models.add_argument("--json", action="store_true")
-    models.set_defaults(func=cmd_bench_models)
-    from worker.cli import register as register_worker_commands  # work, submit, local, bench worker
-
-    register_worker_commands(sub, bench_sub)
-    from adapter.evaluation import register as register_eval_commands  # eval, calibrate
-
-    register_eval_commands(sub)
-    from bench.all_bench import register as register_bench_all  # bench all
-
-    register_bench_all(bench_sub)
-    from adapter.serve import register as register_serve_commands  # serve, bench http
-
-    register_serve_commands(sub, bench_sub)
-    from infra.cli import register as register_infra_commands  # package-model, deploy
-
-    register_infra_commands(sub)
+    known = COMMANDS.get(command or "")
+    for module in dict.fromkeys([known] if known else COMMANDS.values()):
+        importlib.import_module(module).register(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> int:
+    import sys
+
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in args_in if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(args_in)
     return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,5 @@
-"""Typed errors. Each carries its HTTP status, type and code; the server maps them in one place."""
+"""Typed errors. Each carries its HTTP status, type and code; the server maps them in one place
+(``adapter.middleware``), the worker and ``arbiter decide`` write them as error records."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ class ArbiterError(Exception):
     type: ClassVar[str] = "api_error"
     code: ClassVar[str] = "internal_error"
     retryable: ClassVar[bool] = False
+    # An API that speaks FastAPI's error shape (System One) answers ``{"detail": detail}``
+    # instead of ``{"error": to_dict()}``.
+    detail: Any = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

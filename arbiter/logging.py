@@ -1,27 +1,36 @@
-"""structlog, configured once: JSON lines (console rendering on a terminal), request context merged in.
+"""structlog, configured once per process, the same for the server and the worker pool.
 
-Handlers bind ``request_id`` and ``route`` with ``bind_contextvars``; work sent to a thread with
-``asyncio.to_thread`` keeps them. Prompts and state text are never logged.
+JSON lines (console rendering on a terminal), the context bound with ``bind_contextvars`` merged in
+(``request_id`` and ``route`` in the server, ``worker`` and ``pid`` in a worker process); work sent to
+a thread with ``asyncio.to_thread`` keeps it. Prompts and state text are never logged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import re
 import sys
-import uuid
 from typing import Any, TextIO
 
 import structlog
 
-_ID_KEYS = {"request_id", "request-id", "requestid", "x-request-id", "rid", "trace_id"}
-_MAX_ID = 128
+
+class _Writer(structlog.WriteLogger):
+    """A log line that cannot be written (the stream closed by whoever started us) is dropped:
+    losing a log line must never stop a request, a drain or a restart."""
+
+    def msg(self, message: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            super().msg(message)
+
+    log = debug = info = warn = warning = fatal = failure = err = error = critical = exception = msg
 
 
 def configure(json: bool | None = None, level: str = "info", stream: TextIO | None = None) -> None:
-    """Set up structlog for the process: JSON unless ``stream`` is a terminal (or ``json`` says)."""
-    stream = stream or sys.stderr
-    use_json = json if json is not None else not stream.isatty()
+    """Set up structlog for the process: JSON unless ``stream`` (stderr) is a terminal, or as
+    ``json`` says; ``level`` is debug, info, warning or error."""
+    out = stream or sys.stderr
+    use_json = json if json is not None else not out.isatty()
     processors: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -36,29 +45,11 @@ def configure(json: bool | None = None, level: str = "info", stream: TextIO | No
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
         ),
-        logger_factory=structlog.PrintLoggerFactory(stream),
-        cache_logger_on_first_use=True,
+        logger_factory=lambda *_: _Writer(out),
+        # Loggers are made at import time (module globals): they must follow a later configure.
+        cache_logger_on_first_use=False,
     )
 
 
 def get_logger(name: str = "arbiter") -> Any:
     return structlog.get_logger(name)
-
-
-def request_id(custom_attributes: str | None, inference_id: str | None = None) -> str:
-    """The request id for logs: from ``X-Amzn-SageMaker-Custom-Attributes``, else generated.
-
-    The attributes are opaque to SageMaker; a ``request_id=...`` (or ``request-id``, ``trace_id``)
-    pair in a comma- or semicolon-separated list is used, or the whole value when it is a single
-    token. Then SageMaker's ``X-Amzn-SageMaker-Inference-Id``; then a random id.
-    """
-    if custom_attributes and custom_attributes.strip():
-        for part in re.split(r"[,;]", custom_attributes):
-            key, sep, value = part.partition("=")
-            if sep and key.strip().lower() in _ID_KEYS and value.strip():
-                return value.strip()[:_MAX_ID]
-        if "=" not in custom_attributes:
-            return custom_attributes.strip()[:_MAX_ID]
-    if inference_id and inference_id.strip():
-        return inference_id.strip()[:_MAX_ID]
-    return uuid.uuid4().hex

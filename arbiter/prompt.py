@@ -1,4 +1,5 @@
-"""Prompt rendering: where the state, question and lettered options sit, and which letters label them.
+"""Prompt rendering: where the state, question and lettered options sit, which letters label them,
+and chat prompts in the model's own template.
 
 A prompt has three parts. ``head`` and ``tail`` come from the model's chat template (or are empty for a
 plain template) and are tokenized with special-token parsing; ``content`` holds everything the caller
@@ -8,12 +9,17 @@ with the state, so every decision over one state shares a token prefix (see ``en
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from arbiter.errors import InvalidDecision
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 PROMPT_VERSION = "arbiter-letters-v1"
@@ -64,15 +70,22 @@ def plain_layout() -> PromptLayout:
     )
 
 
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+@functools.lru_cache(maxsize=4)
+def compile_template(template: str) -> jinja2.Template:
+    """A model's chat template, compiled in jinja's immutable sandbox (as llama.cpp's server
+    renders it): a template can read what it is given and nothing else."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(template)
+
+
 def chat_layout(template: str, bos_token: str, eos_token: str) -> PromptLayout:
     """Render the model's own chat template once, around a sentinel that marks the content."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    env.globals["raise_exception"] = raise_exception
-    compiled = env.from_string(template)
+    compiled = compile_template(template)
 
     def render(messages: list[dict[str, str]]) -> str:
         return compiled.render(
@@ -125,3 +138,65 @@ def render_content(
 
 def full_text(layout: PromptLayout, content: RenderedContent) -> str:
     return layout.head + content.text + layout.tail
+
+
+# -- chat completions ------------------------------------------------------------------------------
+
+Segments = list[tuple[str, bool]]  # (text, is_template_text)
+PLAIN_STOPS = ["\nuser:", "\nsystem:"]  # where a plain transcript's reply ends
+_MARK = "\u0000ARBITER_MESSAGE_{}\u0000"
+_MARKS = re.compile("\u0000ARBITER_MESSAGE_([0-9]+)\u0000")
+
+
+def render_chat(
+    messages: Sequence[tuple[str, str]], template: str | None, bos_text: str, eos_text: str
+) -> Segments:
+    """A chat prompt from (role, text) messages, as (text, is_template) segments ending where the
+    assistant's reply starts: the model's chat template around the messages, or, for a model
+    without one, a plain ``role: text`` transcript ending in ``assistant:``.
+
+    Message text stays apart from template text, so it is tokenized without special-token
+    parsing: a message can never become a control token. Each message enters the template as a
+    numbered mark; one pass over the rendered text splits it at the marks and checks that every
+    message is placed exactly once (linear in the text: a check per message over the whole text
+    was quadratic in the number of messages).
+    """
+    roles = [("system" if role == "developer" else role) for role, _ in messages]
+    if not template:
+        lines = [f"{role}: {text.strip()}" for role, (_, text) in zip(roles, messages, strict=True)]
+        return [("\n".join(lines) + "\nassistant:", False)]
+    try:
+        text = compile_template(template).render(
+            messages=[{"role": r, "content": _MARK.format(i)} for i, r in enumerate(roles)],
+            add_generation_prompt=True,
+            bos_token=bos_text,
+            eos_token=eos_text,
+        )
+    except jinja2.exceptions.TemplateError as exc:
+        raise InvalidDecision(
+            f"the model's chat template refused these messages: {exc}",
+            param="messages",
+            code="chat_template_error",
+        ) from exc
+    placed = [0] * len(messages)
+    segments: Segments = []
+    end = 0
+    for match in _MARKS.finditer(text):
+        index = int(match.group(1))
+        if index >= len(placed):
+            placed.append(0)  # not a mark of ours: fails the check below
+            break
+        placed[index] += 1
+        if match.start() > end:
+            segments.append((text[end : match.start()], True))
+        segments.append((messages[index][1], False))
+        end = match.end()
+    if end < len(text):
+        segments.append((text[end:], True))
+    if any(count != 1 for count in placed):
+        raise InvalidDecision(
+            "the model's chat template does not place every message exactly once",
+            param="messages",
+            code="chat_template_error",
+        )
+    return segments

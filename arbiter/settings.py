@@ -1,4 +1,9 @@
-"""The one place where Arbiter's configuration is named and read from the environment."""
+"""Where the engine's and the server's configuration is named and read from the environment.
+
+Every variable of the engine (``EngineSettings``), the HTTP server (``ServerSettings``) and the
+container entrypoint (``EntrypointSettings``) is a field here, SageMaker's own names and the stock
+llama.cpp image's ``SM_LLAMA_CPP_*`` flags included; the worker pool's are in ``worker/settings.py``.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,14 @@ from pathlib import Path
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from arbiter.errors import UnsupportedSetting
 
-def _default_threads() -> int:
+MB = 1024 * 1024  # settings in MB are read as MiB
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (its affinity, not the machine's count): the default thread
+    count of the engine, shared out among the worker pool's processes."""
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 
 
@@ -29,7 +40,7 @@ class EngineSettings(BaseSettings):
     n_ctx: int = Field(
         default=8192, ge=256, description="Context size in tokens (shared by all branches)."
     )
-    n_threads: int = Field(default_factory=_default_threads, ge=1, description="CPU threads.")
+    n_threads: int = Field(default_factory=cpu_count, ge=1, description="CPU threads.")
     n_gpu_layers: int = Field(default=0, ge=-1, description="Layers offloaded to a GPU (-1: all).")
     n_batch: int = Field(default=512, ge=32, description="Tokens per llama_decode call.")
     max_branches: int = Field(
@@ -148,8 +159,40 @@ class ServerSettings(BaseSettings):
     )
 
 
+class EntrypointSettings(BaseSettings):
+    """What only the container entrypoint reads (env prefix ``ARBITER_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="ARBITER_", extra="ignore")
+
+    image_n_gpu_layers: int | None = Field(
+        default=None,
+        ge=-1,
+        description="Set by the image: GPU layers when the deployment sets none (CUDA: -1, CPU: 0).",
+    )
+    model_data_url: str | None = Field(
+        default=None,
+        description="s3://bucket/key of a model.tar.gz unpacked into the model dir when it has no "
+        "GGUF (the ECS worker; SageMaker unpacks ModelDataUrl itself).",
+    )
+    aws_endpoint_url: str | None = Field(
+        default=None,
+        description="S3 endpoint for model_data_url (a moto server, LocalStack); unset: AWS's.",
+    )
+    preflight_sha256: bool = Field(
+        default=True,
+        description="Hash the model before exec (the engine hashes it again at load: ~1 s per GB).",
+    )
+    entrypoint_exec: str | None = Field(
+        default=None,
+        description="Program exec'd with the command (shell-split); default: this Python running "
+        "`-m arbiter`. Tests point it at a stub.",
+    )
+
+
 # The stock llama.cpp SageMaker image turns SM_LLAMA_CPP_<X>=v into the llama-server flag
 # --<x lowercased, _ -> -> v ("true": a bare flag). These are the flags that mean something here.
+SM_PREFIX = "SM_LLAMA_CPP_"
+SM_GPU_FLAGS = ("N_GPU_LAYERS", "GPU_LAYERS", "NGL")
 _SM_ENGINE_FLAGS = {
     "MODEL": "model",
     "M": "model",
@@ -157,19 +200,16 @@ _SM_ENGINE_FLAGS = {
     "C": "n_ctx",
     "THREADS": "n_threads",
     "T": "n_threads",
-    "N_GPU_LAYERS": "n_gpu_layers",
-    "GPU_LAYERS": "n_gpu_layers",
-    "NGL": "n_gpu_layers",
+    **dict.fromkeys(SM_GPU_FLAGS, "n_gpu_layers"),
     "BATCH_SIZE": "n_batch",
     "B": "n_batch",
 }
 _SM_SERVER_FLAGS = {"PARALLEL": "max_in_flight", "NP": "max_in_flight"}
 _SM_HUB_FLAGS = {"HF_REPO", "HF_FILE", "HF_TOKEN", "HFR", "HFF", "MODEL_URL", "MU"}
-SM_PREFIX = "SM_LLAMA_CPP_"
 
 
 def _sm_value(flag: str, value: str) -> str | None:
-    if flag in {"N_GPU_LAYERS", "GPU_LAYERS", "NGL"}:
+    if flag in SM_GPU_FLAGS:
         if value.lower() == "all":
             return "-1"
         if value.lower() == "auto":
@@ -183,8 +223,6 @@ def from_environment() -> tuple[EngineSettings, ServerSettings, list[str]]:
     Returns the unknown ``SM_LLAMA_CPP_*`` names too, for a single warning at start-up. A model hub
     flag is refused: nothing is ever downloaded.
     """
-    from arbiter.errors import UnsupportedSetting
-
     env = os.environ
     engine_kw: dict[str, str] = {}
     server_kw: dict[str, str] = {}

@@ -18,100 +18,15 @@ import statistics
 import time
 from typing import Any
 
-import numpy as np
-
 from arbiter.engine import Engine, open_engine
-from arbiter.prompt import state_text
-from arbiter.schema import DecisionRequest
 from bench import floor
-
-_WORDS = [
-    "customer",
-    "order",
-    "invoice",
-    "shipment",
-    "delayed",
-    "refund",
-    "account",
-    "login",
-    "password",
-    "reset",
-    "error",
-    "page",
-    "support",
-    "agent",
-    "priority",
-    "outage",
-    "payment",
-    "card",
-    "region",
-    "server",
-    "database",
-    "latency",
-    "report",
-    "user",
-    "billing",
-    "contract",
-    "renewal",
-    "seat",
-    "license",
-    "escalation",
-    "ticket",
-    "email",
-    "phone",
-    "weekend",
-    "manager",
-]
-
-
-def _state(seed: int, words: int) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
-    text = " ".join(rng.choice(_WORDS, size=words).tolist())
-    return {"case": f"C-{seed}", "tier": "enterprise", "notes": text}
-
-
-def _decision(
-    i: int, state: Any, question: str = "Which queue should handle this case?"
-) -> DecisionRequest:
-    return DecisionRequest.model_validate(
-        {
-            "id": f"d{i}",
-            "state": state,
-            "question": question,
-            "options": [
-                {"id": "access", "description": "Account access and login"},
-                {"id": "billing", "description": "Billing, invoices and refunds"},
-                {"id": "shipping", "description": "Shipping and delivery"},
-                {"id": "tech", "description": "Technical outage or error"},
-            ],
-        }
-    )
-
-
-def _sized_state(
-    engine: Engine, seed: int, target_tokens: int, *, whole_prompt: bool = True
-) -> dict[str, Any]:
-    """A state sized so that the whole prompt (or the state alone) is about ``target_tokens``."""
-
-    def count(words: int) -> int:
-        state = _state(seed, words)
-        if whole_prompt:
-            return len(engine.prompt_tokens(_decision(0, state)))
-        return len(engine.tokenize_content(state_text(state)))
-
-    words = max(4, target_tokens // 2)
-    for _ in range(30):
-        tokens = count(words)
-        if abs(tokens - target_tokens) <= 8:
-            break
-        words = max(4, int(words * target_tokens / tokens))
-    return _state(seed, words)
+from bench.common import QUESTIONS, case_decision, sized_state
 
 
 def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
     ours, floor, n_tokens = [], [], 0
     for r in range(repeats + 1):
-        request = _decision(r, _sized_state(engine, 1000 * target + r, target))
+        request = case_decision(r, sized_state(engine, 1000 * target + r, target))
         tokens = engine.prompt_tokens(request)
         n_tokens = len(tokens)
         _, floor_s = floor.plain_pass(engine, tokens)
@@ -131,23 +46,11 @@ def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
     }
 
 
-QUESTIONS = [
-    "Which queue should handle this case?",
-    "Which team owns the follow-up?",
-    "What is the most likely root cause?",
-    "Where should the customer be routed?",
-    "Which specialist should review it first?",
-    "What kind of problem is described?",
-    "Which department is responsible?",
-    "Which category fits the case best?",
-]
-
-
 def bench_shared(engine: Engine, repeats: int) -> dict[str, Any]:
     grouped, independent, floors = [], [], []
     for r in range(repeats + 1):
-        state = _sized_state(engine, 77_000 + r, 400, whole_prompt=False)
-        requests = [_decision(i, state, q) for i, q in enumerate(QUESTIONS)]
+        state = sized_state(engine, 77_000 + r, 400, whole_prompt=False)
+        requests = [case_decision(i, state, q) for i, q in enumerate(QUESTIONS)]
         engine.cache.clear()
         started = time.perf_counter()
         results = engine.score(requests)

@@ -20,8 +20,6 @@ from arbiter.schema import DecisionRequest, DecisionResult
 from arbiter.settings import EngineSettings
 from bench import floor
 
-LABELED = Path(__file__).resolve().parent.parent / "examples" / "labeled.jsonl"
-
 
 def _load(path: Path) -> tuple[list[DecisionRequest], list[str]]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

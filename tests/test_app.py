@@ -14,7 +14,8 @@ from aiohttp import ClientTimeout
 from structlog.contextvars import merge_contextvars
 from structlog.testing import capture_logs
 
-from adapter.app import STATE, create_app
+from adapter.app import create_app
+from adapter.state import STATE
 from arbiter.settings import ServerSettings
 from tests.app_fakes import FakeEngine, decision
 
@@ -209,6 +210,36 @@ async def test_custom_attributes_echo_and_request_id_in_logs(make: Any) -> None:
     plain = await client.get("/ping")
     assert "X-Amzn-SageMaker-Custom-Attributes" not in plain.headers
     assert len(plain.headers["X-Request-Id"]) == 32
+
+
+async def test_every_error_answer_passes_the_one_error_middleware(make: Any) -> None:
+    """System One's own 401 and 422 bodies (FastAPI's shape) are answered, counted and logged with
+    their code by the same middleware as every other error: none is written by a handler."""
+    client = await make(api_key="k")
+    with capture_logs() as logs:
+        missing_key = await client.post("/v1/systemone", json={})
+        invalid = await client.post(
+            "/v1/systemone", json={"state": "s"}, headers={"Authorization": "Bearer k"}
+        )
+        not_json = await client.post(
+            "/v1/systemone",
+            data=b"{",
+            headers={"Authorization": "Bearer k", "Content-Type": "application/json"},
+        )
+        other_401 = await client.post("/invocations", json={"decision": decision()})
+    assert missing_key.status == 401 and missing_key.headers["WWW-Authenticate"] == "Bearer"
+    assert "API key" in (await missing_key.json())["detail"]
+    assert invalid.status == 422 and (await invalid.json())["detail"][0]["loc"][0] == "body"
+    assert not_json.status == 422
+    assert (await not_json.json())["detail"][0]["type"] == "json_invalid"
+    assert (await error_of(other_401, 401))["code"] == "invalid_api_key"
+    lines = [e for e in logs if e["event"] == "request"]
+    assert [(e["status"], e.get("error")) for e in lines] == [
+        (401, "invalid_api_key"),
+        (422, "validation_error"),
+        (422, "validation_error"),
+        (401, "invalid_api_key"),
+    ]
 
 
 async def test_execution_parameters_models_and_openapi(make: Any) -> None:

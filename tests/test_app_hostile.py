@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from adapter import chat
-from adapter.app import STATE, create_app
+from adapter.app import create_app
+from adapter.state import STATE
 from arbiter.errors import ArbiterError
 from arbiter.schema import DecisionRequest, DecisionResult
 from arbiter.settings import ServerSettings

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
+from adapter.middleware import request_id
 from arbiter.errors import UnsupportedSetting
-from arbiter.logging import request_id
 from arbiter.settings import from_environment
 
 

@@ -22,7 +22,7 @@ def test_decide_writes_one_line_per_input_line(tmp_path: Path) -> None:
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join(lines) + "\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "adapter.cli", "decide", str(source), "--quiet"],
+        [sys.executable, "-m", "arbiter", "decide", str(source), "--quiet"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -75,7 +75,7 @@ def test_serve_resolves_verifies_and_execs(
     code, stub = run(["serve"])
     assert code == 0
     [(file, argv, env)] = stub.calls
-    assert argv == [sys.executable, "-m", "adapter.cli", "serve"]
+    assert argv == [sys.executable, "-m", "arbiter", "serve"]
     assert file == sys.executable
     assert env["SM_MODEL_DIR"] == str(model_dir)
     assert "ARBITER_N_GPU_LAYERS" not in env  # CPU image: no image default, the engine's 0
@@ -91,7 +91,7 @@ def test_work_passes_its_arguments(clean_env: pytest.MonkeyPatch, model_dir: Pat
     clean_env.setenv("ARBITER_MODEL_DIR", str(model_dir))
     code, stub = run(["work", "--processes", "2"])
     assert code == 0
-    assert stub.calls[0][1][-4:] == ["adapter.cli", "work", "--processes", "2"]
+    assert stub.calls[0][1][-4:] == ["arbiter", "work", "--processes", "2"]
 
 
 @pytest.mark.parametrize("argv", [[], ["train"], ["bash"]])
@@ -206,7 +206,7 @@ def test_model_data_url_is_fetched_into_an_empty_model_dir(
 
 
 def test_exec_replaces_the_process(clean_env: pytest.MonkeyPatch, model_dir: Path, tmp_path: Path):
-    """`python -m adapter.entrypoint serve` in a subprocess: the exec'd program keeps the PID (so
+    """`python -m arbiter entrypoint serve` in a subprocess: the exec'd program keeps the PID (so
     SIGTERM sent to the container's PID 1 reaches it) and sees the environment."""
     stub = tmp_path / "stub.py"
     stub.write_text(
@@ -221,7 +221,7 @@ def test_exec_replaces_the_process(clean_env: pytest.MonkeyPatch, model_dir: Pat
         "ARBITER_ENTRYPOINT_EXEC": f"{sys.executable} {stub}",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "adapter.entrypoint", "serve", "--port", "8081"],
+        [sys.executable, "-m", "arbiter", "entrypoint", "serve", "--port", "8081"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -266,7 +266,7 @@ def test_an_unwritable_path_is_one_clear_line(clean_env: pytest.MonkeyPatch, tmp
     clean_env.setenv("HOME", str(blocker / "home"))
     clean_env.setenv("ARBITER_MODEL_DIR", str(tmp_path / "empty"))
     proc = subprocess.run(
-        [sys.executable, "-m", "adapter.entrypoint", "serve"],
+        [sys.executable, "-m", "arbiter", "entrypoint", "serve"],
         env=dict(os.environ),
         capture_output=True,
         text=True,

@@ -82,8 +82,8 @@ def test_sagemaker_contract(kind: str):
 
     [entrypoint] = by_kind["ENTRYPOINT"]
     argv = json.loads(entrypoint)  # exec form is a JSON array; shell form would not parse
-    assert argv[-2:] == ["-m", "adapter.entrypoint"]
-    importlib.import_module(argv[-1])
+    assert argv[-3:] == ["-m", "arbiter", "entrypoint"]
+    importlib.import_module(argv[-2])  # python -m arbiter
     assert json.loads(by_kind["CMD"][-1]) == ["serve"]
 
     user = by_kind["USER"][-1]

@@ -1,4 +1,4 @@
-"""ggml's backend registry as libllama sees it (adapter/ggml_backends.py), in fresh processes."""
+"""ggml's backend registry as libllama sees it (arbiter/engine/backends.py), in fresh processes."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from typing import ClassVar
 
 import pytest
 
-from adapter.cli import build_parser, main
 from adapter.evaluation import HttpBackend, cmd_calibrate, cmd_eval
+from arbiter.cli import build_parser, main
 from tests.conftest import decision
 
 DATA = Path(__file__).resolve().parent / "data"

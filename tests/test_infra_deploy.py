@@ -13,8 +13,8 @@ import botocore.session
 import pytest
 
 import infra.deploy as deploy_mod
-from adapter.cli import main as cli_main
 from adapter.model_package import package_model
+from arbiter.cli import main as cli_main
 from infra.deploy import (
     CPU_INSTANCE_TYPE,
     GPU_INSTANCE_POOL,

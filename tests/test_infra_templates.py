@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from adapter.entrypoint import EntrypointSettings
-from arbiter.settings import EngineSettings, ServerSettings
+from arbiter.settings import EngineSettings, EntrypointSettings, ServerSettings
 from infra.deploy import CPU_INSTANCE_TYPE, GPU_INSTANCE_POOL
 from worker.settings import WorkerSettings
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from adapter.cli import main as cli_main
 from adapter.model_package import PackageError, package_model, read_archive_manifest
+from arbiter.cli import main as cli_main
 from arbiter.errors import ManifestMismatch
 from arbiter.models import MANIFEST_NAME, resolve_model, verify
 

@@ -61,7 +61,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     }
     log = (tmp_path_factory.mktemp("serve") / "serve.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "adapter.cli", "serve"], env=env, stdout=log, stderr=log
+        [sys.executable, "-m", "arbiter", "serve"], env=env, stdout=log, stderr=log
     )
     base = f"http://127.0.0.1:{port}"
     try:

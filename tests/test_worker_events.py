@@ -204,11 +204,18 @@ def test_a_log_line_to_a_closed_stderr_is_dropped_not_raised() -> None:
     # The pool must drain and exit even when whoever started it has gone (its pipe closed).
     import io
 
-    from worker.pool import _StderrLogger
+    import structlog
+
+    from arbiter.logging import configure
 
     stream = io.StringIO()
     stream.close()
-    _StderrLogger(stream).error('{"event": "pool.draining"}')  # the rendered line
+    before = structlog.get_config()
+    configure(json=True, stream=stream)
+    try:
+        structlog.get_logger("arbiter.pool").error("pool.draining")
+    finally:
+        structlog.configure(**before)
 
 
 def test_lease_extensions_stop_short_of_sqs_12_hour_limit() -> None:

@@ -118,7 +118,7 @@ def worker_env(endpoint: str, **extra: Any) -> dict[str, str]:
     return env
 
 
-WORK = [sys.executable, "-m", "adapter.cli", "work"]
+WORK = [sys.executable, "-m", "arbiter", "work"]
 
 
 def stack_settings(endpoint: str, **kw: Any) -> WorkerSettings:
@@ -232,9 +232,7 @@ def test_local_stack_and_submit_with_the_real_engine(spawn, tmp_path: Path) -> N
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ARBITER_", "PROMETHEUS_"))}
     env.update(PYTHONPATH=str(ROOT), ARBITER_WAIT_TIME_S="1", ARBITER_METRICS_PORT="0")
     env.pop("AWS_ACCESS_KEY_ID", None)
-    local = spawn(
-        [sys.executable, "-m", "adapter.cli", "local", "--moto-port", "0", "--no-serve"], env
-    )
+    local = spawn([sys.executable, "-m", "arbiter", "local", "--moto-port", "0", "--no-serve"], env)
     deadline = time.monotonic() + 60
     endpoint = ""
     while not endpoint and time.monotonic() < deadline:
@@ -247,7 +245,7 @@ def test_local_stack_and_submit_with_the_real_engine(spawn, tmp_path: Path) -> N
     job = tmp_path / "job.jsonl"
     job.write_text((ROOT / "examples" / "job.jsonl").read_text())
     submitted = subprocess.run(
-        [sys.executable, "-m", "adapter.cli", "submit", str(job), "--timeout", "120"],
+        [sys.executable, "-m", "arbiter", "submit", str(job), "--timeout", "120"],
         cwd=ROOT,
         env={**env, "ARBITER_AWS_ENDPOINT_URL": endpoint},
         capture_output=True,

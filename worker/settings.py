@@ -8,11 +8,11 @@ from urllib.parse import urlsplit
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from arbiter.settings import cpu_count
+
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
-
-def _cores() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+# Where prometheus-client's multiprocess mode keeps every process's samples (the pool sets it).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class WorkerSettings(BaseSettings):
@@ -139,7 +139,7 @@ class WorkerSettings(BaseSettings):
         return self.heartbeat_s or max(0.5, self.visibility_timeout_s / 3)
 
     def threads_per_process(self) -> int:
-        return self.worker_threads or max(1, _cores() // self.worker_processes)
+        return self.worker_threads or max(1, cpu_count() // self.worker_processes)
 
     def client_kwargs(self) -> dict[str, str]:
         """aiobotocore client arguments. A loopback endpoint (moto) with no credentials in the

@@ -30,10 +30,11 @@ from arbiter.engine.generation import Generation, generate
 from arbiter.engine.labels import Labels
 from arbiter.engine.llama import VENDORED_LLAMA_CPP, Llama
 from arbiter.engine.prefix_cache import PrefixCache
-from arbiter.engine.scoring import Outcome, Prompts, Scoring
+from arbiter.engine.scoring import Prompts, Scoring
 from arbiter.errors import ContextLengthExceeded
 from arbiter.models import ResolvedModel, resolve_model, verify
 from arbiter.schema import DecisionRequest, ModelInfo
+from arbiter.scorer import Outcome
 from arbiter.settings import EngineSettings
 
 __all__ = ["Engine", "Generation", "Outcome", "open_engine"]

@@ -32,9 +32,9 @@ from arbiter.errors import (
 )
 from arbiter.logging import get_logger
 from arbiter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
+from arbiter.scorer import Outcome
 from arbiter.settings import EngineSettings
 
-Outcome = DecisionResult | ArbiterError
 log = get_logger("arbiter.engine")
 
 

@@ -1,0 +1,39 @@
+"""`arbiter serve` and `arbiter entrypoint` (the container's ENTRYPOINT). Imports stay light: the
+server and the preflight are loaded only when their command runs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from adapter.serve import serve
+
+    return serve(host=args.host, port=args.port, model=args.model)
+
+
+def cmd_entrypoint(args: argparse.Namespace) -> int:
+    from adapter.entrypoint import main
+
+    return main(args.args)
+
+
+def register(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve", help="run the HTTP server (SageMaker /ping + /invocations, chat, metrics)"
+    )
+    serve.add_argument("--host", default=None, help="interface (default ARBITER_HOST or 0.0.0.0)")
+    serve.add_argument("--port", type=int, default=None, help="port (default: env, else 8080)")
+    serve.add_argument("--model", type=Path, default=None, help="a .gguf (else ARBITER_MODEL...)")
+    serve.set_defaults(func=cmd_serve)
+
+    entrypoint = sub.add_parser(
+        "entrypoint",
+        help="the container entrypoint: check the model and the build, then exec serve or work",
+    )
+    entrypoint.add_argument(
+        "args", nargs=argparse.REMAINDER, help="serve|work and their options (`IMAGE serve`)"
+    )
+    entrypoint.set_defaults(func=cmd_entrypoint)
