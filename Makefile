@@ -32,7 +32,7 @@ run: $(STAMP)
 	$(BIN)/arbiter local --submit examples/job.jsonl
 
 test: $(STAMP)
-	$(BIN)/ruff check arbiter adapter worker bench tests infra
+	$(BIN)/ruff check arbiter adapter worker evaluation bench tests infra
 	$(BIN)/python -m pytest -q
 
 # Builds the CPU image from container/Dockerfile.cpu with podman (installed from Debian if missing)

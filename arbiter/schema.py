@@ -13,6 +13,8 @@ MIN_TEMPERATURE = 0.01
 MAX_TEMPERATURE = 100.0
 # Deeper JSON than this in a state is refused: it would only reach Python's recursion limit.
 MAX_STATE_DEPTH = 64
+# Option orders one decision may ask to average (``order_samples``; ``arbiter.engine.ordering``).
+MAX_ORDER_SAMPLES = 8
 
 
 def unicode_text(value: str) -> str:
@@ -82,7 +84,7 @@ class DecisionRequest(BaseModel):
     order_samples: int | None = Field(
         default=None,
         ge=1,
-        le=8,
+        le=MAX_ORDER_SAMPLES,
         description=(
             "Score this many option orders (the given one, the reversed one, then seeded "
             "shuffles) and average the logits by option id: the answer no longer depends on order."

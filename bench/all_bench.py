@@ -41,7 +41,16 @@ import numpy as np
 from arbiter.prompt import LETTERS
 from arbiter.schema import DecisionRequest
 from bench import typed_gguf_compare
-from bench.common import LABELED, ROOT, free_port, latency_pair, ok, shown, wait_until_ready
+from bench.common import (
+    LABELED,
+    ROOT,
+    free_port,
+    latency_pair,
+    ok,
+    shown,
+    stop,
+    wait_until_ready,
+)
 
 SUITES = ("engine", "http", "worker")
 
@@ -90,7 +99,7 @@ def run_suite(suite: str, n_gpu_layers: int | None, timeout_s: float) -> dict[st
 
 
 def load_decisions(path: Path, limit: int | None) -> tuple[list[DecisionRequest], list[str]]:
-    from adapter.eval_tasks import load
+    from evaluation.tasks import load
 
     items = load([path])[: limit or None]
     return [i.request for i in items], [i.label for i in items]
@@ -168,12 +177,7 @@ def lcp_server(
         wait_until_ready(proc, f"{url}/v1/models", "llama_cpp.server", log, 120, 0.5)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def letters_from_top_logprobs(top: dict[str, float], n_options: int) -> list[float]:

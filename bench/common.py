@@ -184,3 +184,13 @@ def wait_until_ready(
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} did not start; see {log}") from None
             time.sleep(poll_s)
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 20) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``: a started server never outlives its benchmark."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -50,6 +50,7 @@ from bench.common import (
     latency_pair,
     ok,
     sized_state,
+    stop,
     wait_until_ready,
 )
 
@@ -121,12 +122,7 @@ def server(model: Path, log: Path) -> Iterator[tuple[str, dict[str, str]]]:
                 stderr=subprocess.STDOUT,
                 timeout=30,
             )
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         # Anything the server left in its own session (it was started in a new one).
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -84,8 +84,15 @@ def _arbiter_item(record: dict[str, Any], file: str) -> EvalItem:
     label = str(record["label"])
     if label not in [o.id for o in decision.options]:
         raise TaskFileError(f"label {label!r} is not one of the option ids")
+    return _item(record, file, decision.id, decision, label)
+
+
+def _item(
+    record: dict[str, Any], file: str, item_id: str, decision: DecisionRequest, label: str
+) -> EvalItem:
+    """The item, with the record's metadata (tier, family, split)."""
     return EvalItem(
-        id=decision.id,
+        id=item_id,
         file=file,
         request=decision,
         label=label,
@@ -164,16 +171,7 @@ def _jevbench_item(record: dict[str, Any], file: str) -> EvalItem:
     request = SystemOneRequest.model_validate(
         {"model": "eval", "state": record["state"], "questions": {item_id: question}}
     )
-    decision = to_decisions(request)[0]
-    return EvalItem(
-        id=item_id,
-        file=file,
-        request=decision,
-        label=label,
-        tier=_tier(record, file),
-        family=record.get("family"),
-        split=record.get("split"),
-    )
+    return _item(record, file, item_id, to_decisions(request)[0], label)
 
 
 def parse_record(record: Any, file: str) -> EvalItem:

@@ -9,7 +9,8 @@ decompressing the weights)::
 
 SageMaker unpacks ``ModelDataUrl`` into ``/opt/ml/model``; :func:`arbiter.models.resolve_model`
 finds the GGUF there, reads the manifest beside it, and the engine refuses to start when the file's
-sha256 differs. The writer is the other half of that check, so both live in ``adapter``.
+sha256 differs. The manifest's name and the hashing are the core's (``arbiter.models``); writing the
+archive is a deployment step, so it lives here with ``arbiter deploy``, which reads it back.
 """
 
 from __future__ import annotations

@@ -9,12 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adapter.evaluation import calibrate_records
 from arbiter.engine import Engine
 from arbiter.engine import calibration as cal
 from arbiter.errors import ModelLoadError
 from arbiter.schema import DecisionResult
 from arbiter.settings import EngineSettings
+from evaluation import calibrate as fitting
+from evaluation.calibrate import calibrate_records
 from tests.conftest import decision
 
 
@@ -34,18 +35,18 @@ def _synthetic(
 @pytest.mark.parametrize("true_t", [0.5, 1.0, 2.5])
 def test_fit_recovers_a_known_temperature(true_t: float) -> None:
     logits, labels = _synthetic(true_t, 4000, 4, seed=7)
-    fitted = cal.fit_temperature(logits, labels)
+    fitted = fitting.fit_temperature(logits, labels)
     assert fitted == pytest.approx(true_t, rel=0.1)
     # It is the NLL minimum: nudging it either way does not help.
-    best = cal.nll(logits, labels, fitted)
-    assert best <= cal.nll(logits, labels, fitted * 1.05)
-    assert best <= cal.nll(logits, labels, fitted / 1.05)
+    best = fitting.nll(logits, labels, fitted)
+    assert best <= fitting.nll(logits, labels, fitted * 1.05)
+    assert best <= fitting.nll(logits, labels, fitted / 1.05)
 
 
 def test_fit_per_type_and_global_with_ragged_rows() -> None:
     a_logits, a_labels = _synthetic(3.0, 1500, 2, seed=1)
     b_logits, b_labels = _synthetic(0.6, 1500, 5, seed=2)
-    global_t, by_type = cal.fit(
+    global_t, by_type = fitting.fit(
         a_logits + b_logits, a_labels + b_labels, ["noul"] * 1500 + ["choice"] * 1500
     )
     assert by_type["noul"] == pytest.approx(3.0, rel=0.15)
@@ -60,8 +61,8 @@ def test_fit_per_type_and_global_with_ragged_rows() -> None:
 
 def test_nll_by_hand() -> None:
     # softmax([0, ln 3]) = [0.25, 0.75]
-    assert cal.nll([[0.0, math.log(3)]], [1], 1.0) == pytest.approx(-math.log(0.75))
-    assert cal.nll([[0.0, math.log(3)]], [0], 1.0) == pytest.approx(-math.log(0.25))
+    assert fitting.nll([[0.0, math.log(3)]], [1], 1.0) == pytest.approx(-math.log(0.75))
+    assert fitting.nll([[0.0, math.log(3)]], [0], 1.0) == pytest.approx(-math.log(0.25))
 
 
 def test_calibrate_records_reports_held_out_before_and_after() -> None:

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from adapter import entrypoint
-from adapter.model_package import package_model
 from arbiter.engine import backends
 from arbiter.models import MANIFEST_NAME, sha256_file, smollm2_path
+from infra.package_model import package_model
 from tests.test_package_model import fake_gguf
 from tests.worker_support import CREDS, moto_endpoint, reset_moto
 

@@ -13,8 +13,9 @@ from typing import ClassVar
 
 import pytest
 
-from adapter.evaluation import HttpBackend, cmd_calibrate, cmd_eval
 from arbiter.cli import build_parser, main
+from evaluation.backends import HttpBackend
+from evaluation.cli import cmd_calibrate, cmd_eval
 from tests.conftest import decision
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from adapter import eval_metrics as m
+from evaluation import metrics as m
 
 
 def test_accuracy_counts_failures_as_wrong() -> None:

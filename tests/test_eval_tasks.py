@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from adapter.eval_tasks import TaskFileError, load, parse_record
 from arbiter import systemone
+from evaluation.tasks import TaskFileError, load, parse_record
 
 DATA = Path(__file__).resolve().parent / "data"
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -13,7 +13,6 @@ import botocore.session
 import pytest
 
 import infra.deploy as deploy_mod
-from adapter.model_package import package_model
 from arbiter.cli import main as cli_main
 from infra.deploy import (
     CPU_INSTANCE_TYPE,
@@ -24,6 +23,7 @@ from infra.deploy import (
     deploy,
     parse_image,
 )
+from infra.package_model import package_model
 from tests.test_package_model import fake_gguf
 from tests.worker_support import moto_endpoint, reset_moto
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from adapter.model_package import PackageError, package_model, read_archive_manifest
 from arbiter.cli import main as cli_main
 from arbiter.errors import ManifestMismatch
 from arbiter.models import MANIFEST_NAME, resolve_model, verify
+from infra.package_model import PackageError, package_model, read_archive_manifest
 
 
 def fake_gguf(path: Path, size: int = 200_000) -> Path:

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 
 from arbiter import prompt as prompts
@@ -28,7 +27,7 @@ from arbiter.engine import ordering
 from arbiter.engine.calibration import Calibration
 from arbiter.engine.generation import Generation, generate
 from arbiter.engine.labels import Labels
-from arbiter.engine.llama import VENDORED_LLAMA_CPP, Llama
+from arbiter.engine.llama import LLAMA_CPP_BUILD, LLAMA_CPP_PYTHON_VERSION, Llama
 from arbiter.engine.prefix_cache import PrefixCache
 from arbiter.engine.scoring import Prompts, Scoring
 from arbiter.errors import ContextLengthExceeded
@@ -86,7 +85,6 @@ class Engine:
         return self.prompts.layout
 
     def _model_info(self, settings: EngineSettings) -> ModelInfo:
-        version = getattr(llama_cpp, "__version__", "unknown")
         return ModelInfo(
             file=self.resolved.path.name,
             bytes=self.resolved.path.stat().st_size,
@@ -98,8 +96,8 @@ class Engine:
             threads=settings.n_threads,
             n_gpu_layers=settings.n_gpu_layers,
             chat_template=self.prompts.layout.chat,
-            llama_cpp_python_version=version,
-            llama_cpp_build=VENDORED_LLAMA_CPP.get(version, "unknown"),
+            llama_cpp_python_version=LLAMA_CPP_PYTHON_VERSION,
+            llama_cpp_build=LLAMA_CPP_BUILD,
         )
 
     # -- lifetime ----------------------------------------------------------------------------------

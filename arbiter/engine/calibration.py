@@ -1,10 +1,9 @@
-"""Temperature calibration: fit on labeled option logits, save, and apply when serving.
+"""Temperature calibration as served: a file of fitted temperatures, loaded and applied.
 
-Fitting minimizes the mean negative log-likelihood of the labels under softmax(logits / T), one T per
-question type (``noul``, ``choice``, ``score``; decisions without a type use the global T) plus one
-global T over everything. The search is 1-D over log T: a grid, then a golden-section refinement in
-the best grid cell (the NLL is smooth and unimodal in log T for all practical purposes). Dividing by
-T > 0 never changes which option has the largest logit, so calibration never changes a choice.
+One temperature per question type (``noul``, ``choice``, ``score``) and a global one, fitted by
+`arbiter calibrate` (``evaluation.calibrate``). A result is softmaxed at its type's temperature unless
+its request set its own. Dividing by T > 0 never changes which option has the largest logit, so
+calibration never changes a choice.
 
 The engine loads a calibration file from ``ARBITER_CALIBRATION``. It is bound to the model: a file
 fitted on another GGUF (different sha256) is refused at start-up.
@@ -14,12 +13,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from arbiter.engine.probabilities import softmax
 from arbiter.errors import ArbiterError, ModelLoadError
@@ -27,56 +23,6 @@ from arbiter.schema import DecisionRequest, DecisionResult
 
 FORMAT = "arbiter-calibration-v1"
 QUESTION_TYPES = ("noul", "choice", "score")
-LOG_T_RANGE = (math.log(0.02), math.log(50.0))
-
-
-def _padded(logits: Sequence[Sequence[float]]) -> np.ndarray:
-    """Rows of different lengths as one (N, max) array padded with -inf."""
-    width = max(len(row) for row in logits)
-    out = np.full((len(logits), width), -np.inf)
-    for i, row in enumerate(logits):
-        out[i, : len(row)] = row
-    return out
-
-
-def nll(
-    logits: Sequence[Sequence[float]] | np.ndarray, labels: Sequence[int], temperature: float
-) -> float:
-    """Mean negative log-likelihood of ``labels`` under softmax(logits / temperature)."""
-    z = logits if isinstance(logits, np.ndarray) else _padded(logits)
-    scaled = z / temperature
-    top = scaled.max(axis=1, keepdims=True)
-    lse = top[:, 0] + np.log(np.exp(scaled - top).sum(axis=1))
-    picked = scaled[np.arange(len(z)), np.asarray(labels)]
-    return float(np.mean(lse - picked))
-
-
-def fit_temperature(
-    logits: Sequence[Sequence[float]], labels: Sequence[int], grid: int = 121, iterations: int = 60
-) -> float:
-    """The temperature minimizing the NLL, searched over log T in ``LOG_T_RANGE``."""
-    if not len(logits):
-        raise ValueError("no items to fit a temperature on")
-    z = _padded(logits)
-    y = list(labels)
-    points = np.linspace(*LOG_T_RANGE, grid)
-    losses = [nll(z, y, math.exp(p)) for p in points]
-    best = int(np.argmin(losses))
-    lo = points[max(best - 1, 0)]
-    hi = points[min(best + 1, grid - 1)]
-    ratio = (math.sqrt(5) - 1) / 2
-    a, b = lo + (1 - ratio) * (hi - lo), lo + ratio * (hi - lo)
-    fa, fb = nll(z, y, math.exp(a)), nll(z, y, math.exp(b))
-    for _ in range(iterations):
-        if fa <= fb:
-            hi, b, fb = b, a, fa
-            a = lo + (1 - ratio) * (hi - lo)
-            fa = nll(z, y, math.exp(a))
-        else:
-            lo, a, fa = a, b, fb
-            b = lo + ratio * (hi - lo)
-            fb = nll(z, y, math.exp(b))
-    return float(math.exp((lo + hi) / 2))
 
 
 @dataclass(frozen=True)
@@ -155,19 +101,3 @@ class Calibration:
                 f"(sha256 {sha256[:12]}…); refit it with `arbiter calibrate` or unset "
                 "ARBITER_CALIBRATION"
             )
-
-
-def fit(
-    logits: Sequence[Sequence[float]],
-    labels: Sequence[int],
-    types: Sequence[str | None],
-    min_items: int = 8,
-) -> tuple[float, dict[str, float]]:
-    """A global temperature, and one per question type that has at least ``min_items`` items."""
-    global_t = fit_temperature(logits, labels)
-    by_type: dict[str, float] = {}
-    for kind in QUESTION_TYPES:
-        rows = [i for i, t in enumerate(types) if t == kind]
-        if len(rows) >= min_items:
-            by_type[kind] = fit_temperature([logits[i] for i in rows], [labels[i] for i in rows])
-    return global_t, by_type

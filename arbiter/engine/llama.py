@@ -21,8 +21,11 @@ from arbiter.engine import backends
 from arbiter.errors import EngineFailure, InvalidDecision, ModelLoadError
 from arbiter.settings import EngineSettings
 
+LLAMA_CPP_PYTHON_VERSION: str = getattr(llama_cpp, "__version__", "unknown")
 # llama-cpp-python does not expose the llama.cpp commit it vendors; its changelog names it.
-VENDORED_LLAMA_CPP = {"0.3.36": "ggml-org/llama.cpp@0c1e57098"}
+LLAMA_CPP_BUILD = {"0.3.36": "ggml-org/llama.cpp@0c1e57098"}.get(
+    LLAMA_CPP_PYTHON_VERSION, "unknown"
+)
 _FILE_TYPES = {
     0: "F32",
     1: "F16",

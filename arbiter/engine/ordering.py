@@ -23,9 +23,14 @@ import numpy as np
 
 from arbiter.engine.probabilities import softmax
 from arbiter.errors import ArbiterError
-from arbiter.schema import DecisionRequest, DecisionResult, PromptInfo, Timing
+from arbiter.schema import (
+    MAX_ORDER_SAMPLES,
+    DecisionRequest,
+    DecisionResult,
+    PromptInfo,
+    Timing,
+)
 
-MAX_ORDER_SAMPLES = 8
 _MARK = "#order"
 
 
