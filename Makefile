@@ -45,9 +45,9 @@ test-container: $(STAMP)
 FUZZ_SCALE ?= 25
 fuzz: $(STAMP)
 	ARBITER_FUZZ_SCALE=$(FUZZ_SCALE) $(BIN)/python -m pytest -q --timeout 3600 \
-		tests/test_properties.py tests/test_schemathesis.py \
-		tests/test_engine_faults.py::test_concurrent_chat_tokenization_and_scoring_match_a_serial_run
-	$(BIN)/python -m pytest -q --timeout 3600 -m fuzz tests/test_worker_fuzz.py
+		tests/arbiter/test_properties.py tests/adapter/test_schemathesis.py \
+		tests/arbiter/test_engine_faults.py::test_concurrent_chat_tokenization_and_scoring_match_a_serial_run
+	$(BIN)/python -m pytest -q --timeout 3600 -m fuzz tests/worker/test_fuzz.py
 
 bench: $(STAMP)
 	$(BIN)/arbiter bench engine

@@ -1,21 +1,16 @@
-"""Helpers for the worker tests: one moto server per session (on 127.0.0.1), clients, fakes."""
+"""S3 and SQS for the tests: one moto server per session (on 127.0.0.1, reset per test by the
+``endpoint`` fixture), clients as the worker builds them, and small readers."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
-import json
 import logging
-import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
-
-from arbiter.errors import ArbiterError
-from arbiter.schema import DecisionRequest, DecisionResult
-from tests.app_fakes import MODEL_INFO, uniform_result
 
 CREDS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 
@@ -39,62 +34,6 @@ def reset_moto(endpoint: str) -> None:
     request = urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")
     with urllib.request.urlopen(request, timeout=10) as response:
         assert response.status == 200
-
-
-def decision_line(i: int, state: str = "Order 1 arrived broken.", question: str = "Route?") -> str:
-    return json.dumps(
-        {
-            "id": f"d{i}",
-            "state": state,
-            "question": question,
-            "options": [
-                {"id": "refund", "description": "Refund the customer"},
-                {"id": "replace", "description": "Send a replacement"},
-            ],
-        }
-    )
-
-
-FAKE_MODEL = MODEL_INFO
-
-
-class FakeEngine:
-    """Scores instantly (or after ``delay_s`` per call); ``fail`` raises to fail the job."""
-
-    def __init__(self, delay_s: float = 0.0, fail: bool = False) -> None:
-        self.model_info = FAKE_MODEL
-        self.delay_s = delay_s
-        self.fail = fail
-        self.calls = 0
-        self.scored = 0
-        self.started = threading.Event()
-
-    def score(self, decisions: Sequence[DecisionRequest]) -> list[DecisionResult | ArbiterError]:
-        self.calls += 1
-        self.started.set()
-        if self.fail:
-            raise RuntimeError("fake engine failure")
-        time.sleep(self.delay_s)
-        self.scored += len(decisions)
-        return [_result(d) for d in decisions]
-
-
-def _result(d: DecisionRequest) -> DecisionResult:
-    return uniform_result(d, version="fake")
-
-
-def make_fake_engine(settings: Any = None) -> FakeEngine:
-    """Engine factory for worker subprocesses (ARBITER_WORKER_ENGINE_FACTORY): delay from
-    ARBITER_FAKE_DELAY_S, failure from ARBITER_FAKE_FAIL; ARBITER_FAKE_CRASH=1 fails to load (the
-    worker process dies at start, as with a missing model)."""
-    import os
-
-    if os.environ.get("ARBITER_FAKE_CRASH") == "1":
-        raise RuntimeError("fake engine cannot load")
-    return FakeEngine(
-        delay_s=float(os.environ.get("ARBITER_FAKE_DELAY_S", "0")),
-        fail=os.environ.get("ARBITER_FAKE_FAIL") == "1",
-    )
 
 
 async def wait_for(predicate: Any, within_s: float = 30.0, interval: float = 0.2) -> Any:

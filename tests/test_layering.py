@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import ROOT
+
 CORE = "arbiter"
 ENTRY_POINTS = ("adapter", "worker", "evaluation", "infra")
 BENCH = "bench"

@@ -16,41 +16,11 @@ from structlog.testing import capture_logs
 
 from adapter.app import create_app
 from adapter.state import STATE
-from arbiter.settings import ServerSettings
-from tests.app_fakes import FakeEngine, decision
+from tests.adapter.conftest import error_of, ready, settings
+from tests.fakes import FakeEngine, decision_body
 
 # Fixtures live on the session loop (pyproject: asyncio_default_fixture_loop_scope); so do tests.
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-
-def settings(**kw: Any) -> ServerSettings:
-    return ServerSettings(**{"max_in_flight": 1, "max_queue": 1, **kw})
-
-
-async def ready(client: Any) -> None:
-    for _ in range(200):
-        if (await client.get("/ping")).status == 200:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("never ready")
-
-
-@pytest.fixture
-async def make(aiohttp_client: Any) -> Any:
-    async def build(engine: FakeEngine | None = None, **kw: Any) -> Any:
-        eng = engine or FakeEngine()
-        client = await aiohttp_client(create_app(settings(**kw), lambda: eng))
-        await ready(client)
-        return client
-
-    return build
-
-
-async def error_of(response: Any, status: int) -> dict[str, Any]:
-    assert response.status == status, await response.text()
-    body = await response.json()
-    assert set(body["error"]) >= {"type", "code", "message", "param"}
-    return body["error"]
 
 
 async def test_ping_503_until_the_model_is_loaded(aiohttp_client: Any) -> None:
@@ -65,7 +35,7 @@ async def test_ping_503_until_the_model_is_loaded(aiohttp_client: Any) -> None:
     error = await error_of(response, 503)
     assert error["code"] == "model_not_ready" and error["retryable"] is True
     assert response.headers["Retry-After"] == "1"
-    inv = await client.post("/invocations", json={"decision": decision()})
+    inv = await client.post("/invocations", json={"decision": decision_body()})
     assert (await error_of(inv, 503))["code"] == "model_not_ready"
     release.set()
     await ready(client)
@@ -74,7 +44,7 @@ async def test_ping_503_until_the_model_is_loaded(aiohttp_client: Any) -> None:
 async def test_ping_answers_fast_during_a_long_decision(make: Any) -> None:
     engine = FakeEngine(delay_s=1.5)
     client = await make(engine)
-    task = asyncio.ensure_future(client.post("/invocations", json={"decision": decision()}))
+    task = asyncio.ensure_future(client.post("/invocations", json={"decision": decision_body()}))
     await asyncio.to_thread(engine.started.wait, 5)
     latencies = []
     for _ in range(10):
@@ -89,19 +59,19 @@ async def test_ping_answers_fast_during_a_long_decision(make: Any) -> None:
 
 async def test_single_and_many_shapes(make: Any) -> None:
     client = await make()
-    single = await client.post("/invocations", json={"decision": decision()})
+    single = await client.post("/invocations", json={"decision": decision_body()})
     assert single.status == 200
     assert (await single.json())["result"]["id"] == "d1"
     many = await client.post(
         "/invocations",
-        json={"decisions": [decision("a"), decision("b", n_options=5), decision("c")]},
+        json={"decisions": [decision_body("a"), decision_body("b", options=5), decision_body("c")]},
     )
     body = await many.json()
     assert [r["id"] for r in body["results"]] == ["a", "b", "c"]
     assert body["results"][1]["error"]["param"] == "decisions.1.options"
     assert body["timing"]["decisions"] == 3 and body["timing"]["failed"] == 1
     # Every decision failed: the request fails with the first error, its field named.
-    failed = await client.post("/invocations", json={"decision": decision(n_options=5)})
+    failed = await client.post("/invocations", json={"decision": decision_body(options=5)})
     assert (await error_of(failed, 422))["param"] == "decision.options"
 
 
@@ -113,11 +83,13 @@ async def test_error_statuses_and_bodies(make: Any) -> None:
     assert (await error_of(bad, 400))["code"] == "invalid_json"
     media = await client.post("/invocations", data=b"x", headers={"Content-Type": "text/csv"})
     assert (await error_of(media, 415))["param"] == "Content-Type"
-    big = await client.post("/invocations", json={"decision": decision(state="x" * 20000)})
+    big = await client.post("/invocations", json={"decision": decision_body(state="x" * 20000)})
     assert (await error_of(big, 413))["code"] == "payload_too_large"
-    field = await client.post("/invocations", json={"decision": {**decision(), "options": []}})
+    field = await client.post("/invocations", json={"decision": {**decision_body(), "options": []}})
     assert (await error_of(field, 422))["param"] == "decision.options"
-    dup = await client.post("/invocations", json={"decisions": [decision("a"), decision("a")]})
+    dup = await client.post(
+        "/invocations", json={"decisions": [decision_body("a"), decision_body("a")]}
+    )
     assert (await error_of(dup, 422))["param"] == "decisions.1.id"
     empty = await client.post("/invocations", json={"decisions": []})
     assert (await error_of(empty, 422))["param"] == "decisions"
@@ -133,7 +105,7 @@ async def test_error_statuses_and_bodies(make: Any) -> None:
 
 async def test_six_megabyte_json_body_is_accepted(make: Any) -> None:
     client = await make()
-    body = json.dumps({"decision": decision(), "padding": "x" * (6 * 1024 * 1024 - 500)})
+    body = json.dumps({"decision": decision_body(), "padding": "x" * (6 * 1024 * 1024 - 500)})
     response = await client.post(
         "/invocations", data=io.BytesIO(body.encode()), headers={"Content-Type": "application/json"}
     )
@@ -145,7 +117,7 @@ async def test_internal_fault_is_a_500_with_a_logged_trace(make: Any) -> None:
     engine.score = None  # type: ignore[assignment,method-assign]
     client = await make(engine)
     with capture_logs() as logs:
-        response = await client.post("/invocations", json={"decision": decision()})
+        response = await client.post("/invocations", json={"decision": decision_body()})
     assert (await error_of(response, 500))["code"] == "internal_error"
     fault = next(e for e in logs if e["event"] == "internal_error")
     assert "Traceback" in fault["trace"]
@@ -155,7 +127,7 @@ async def test_busy_is_503_with_retry_after_and_slots_free_up(make: Any) -> None
     engine = FakeEngine(delay_s=0.6)
     client = await make(engine, max_in_flight=1, max_queue=1, retry_after_s=2)
     requests = [
-        asyncio.ensure_future(client.post("/invocations", json={"decision": decision(str(i))}))
+        asyncio.ensure_future(client.post("/invocations", json={"decision": decision_body(str(i))}))
         for i in range(3)
     ]
     responses = await asyncio.gather(*requests)
@@ -174,11 +146,13 @@ async def test_busy_is_503_with_retry_after_and_slots_free_up(make: Any) -> None
 async def test_a_cancelled_waiting_client_leaves_the_queue(make: Any) -> None:
     engine = FakeEngine(delay_s=0.8)
     client = await make(engine, max_in_flight=1, max_queue=1)
-    first = asyncio.ensure_future(client.post("/invocations", json={"decision": decision("a")}))
+    first = asyncio.ensure_future(
+        client.post("/invocations", json={"decision": decision_body("a")})
+    )
     await asyncio.to_thread(engine.started.wait, 5)
     with pytest.raises(asyncio.TimeoutError):
         await client.post(
-            "/invocations", json={"decision": decision("b")}, timeout=ClientTimeout(total=0.2)
+            "/invocations", json={"decision": decision_body("b")}, timeout=ClientTimeout(total=0.2)
         )
     admission = client.server.app[STATE].admission
     for _ in range(50):
@@ -187,7 +161,7 @@ async def test_a_cancelled_waiting_client_leaves_the_queue(make: Any) -> None:
         await asyncio.sleep(0.01)
     assert admission.queued == 0
     # The queue has room again: this one waits and is served instead of getting a 503.
-    third = await client.post("/invocations", json={"decision": decision("c")})
+    third = await client.post("/invocations", json={"decision": decision_body("c")})
     assert third.status == 200
     assert (await first).status == 200
     assert engine.calls == 2  # the cancelled one never reached the engine
@@ -198,7 +172,7 @@ async def test_custom_attributes_echo_and_request_id_in_logs(make: Any) -> None:
     with capture_logs(processors=[merge_contextvars]) as logs:
         response = await client.post(
             "/invocations",
-            json={"decision": decision()},
+            json={"decision": decision_body()},
             headers={"X-Amzn-SageMaker-Custom-Attributes": "trace=9,request_id=req-42"},
         )
     assert response.headers["X-Amzn-SageMaker-Custom-Attributes"] == "trace=9,request_id=req-42"
@@ -226,7 +200,7 @@ async def test_every_error_answer_passes_the_one_error_middleware(make: Any) -> 
             data=b"{",
             headers={"Authorization": "Bearer k", "Content-Type": "application/json"},
         )
-        other_401 = await client.post("/invocations", json={"decision": decision()})
+        other_401 = await client.post("/invocations", json={"decision": decision_body()})
     assert missing_key.status == 401 and missing_key.headers["WWW-Authenticate"] == "Bearer"
     assert "API key" in (await missing_key.json())["detail"]
     assert invalid.status == 422 and (await invalid.json())["detail"][0]["loc"][0] == "body"
@@ -265,12 +239,12 @@ async def test_execution_parameters_models_and_openapi(make: Any) -> None:
 async def test_jsonlines_streamed_in_chunks_one_line_out_per_line_in(make: Any) -> None:
     client = await make(jsonl_chunk=2, max_body_mb=0.001)
     lines = [
-        json.dumps(decision("a")),
+        json.dumps(decision_body("a")),
         "{not json",
         "",
-        json.dumps(decision("b", n_options=5)),
-        json.dumps({**decision("c"), "state": "y" * 2000}),  # over the 1 kB line limit here
-        json.dumps(decision("d")),
+        json.dumps(decision_body("b", options=5)),
+        json.dumps({**decision_body("c"), "state": "y" * 2000}),  # over the 1 kB line limit here
+        json.dumps(decision_body("d")),
     ]
     payload = ("\n".join(lines)).encode()
 
@@ -316,7 +290,7 @@ async def test_chat_completion_and_stream_shapes(make: Any) -> None:
 
 async def test_metrics_after_requests(make: Any) -> None:
     client = await make()
-    await client.post("/invocations", json={"decisions": [decision("a"), decision("b")]})
+    await client.post("/invocations", json={"decisions": [decision_body("a"), decision_body("b")]})
     await client.post("/invocations", data=b"{", headers={"Content-Type": "application/json"})
     text = await (await client.get("/metrics")).text()
     for needle in (

@@ -16,8 +16,9 @@ from adapter import entrypoint
 from arbiter.engine import backends
 from arbiter.models import MANIFEST_NAME, sha256_file, smollm2_path
 from infra.package_model import package_model
-from tests.test_package_model import fake_gguf
-from tests.worker_support import CREDS, moto_endpoint, reset_moto
+from tests import ROOT
+from tests.aws import CREDS, moto_endpoint, reset_moto
+from tests.infra.test_package_model import fake_gguf
 
 _ENV_PREFIXES = ("ARBITER_", "SM_LLAMA_CPP_", "SM_MODEL_DIR", "SAGEMAKER_")
 
@@ -226,7 +227,7 @@ def test_exec_replaces_the_process(clean_env: pytest.MonkeyPatch, model_dir: Pat
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=ROOT,
     )
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
@@ -271,7 +272,7 @@ def test_an_unwritable_path_is_one_clear_line(clean_env: pytest.MonkeyPatch, tmp
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=ROOT,
     )
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()

@@ -15,12 +15,11 @@ from typing import Any
 import pytest
 
 from adapter import chat
-from adapter.app import create_app
 from adapter.state import STATE
 from arbiter.errors import ArbiterError
 from arbiter.schema import DecisionRequest, DecisionResult
-from arbiter.settings import ServerSettings
-from tests.app_fakes import FakeEngine, decision
+from tests.adapter.conftest import error_of
+from tests.fakes import FakeEngine, decision_body
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -51,33 +50,6 @@ class FailingEngine(FakeEngine):
         raise RuntimeError("simulated fault while generating")
 
 
-async def ready(client: Any) -> None:
-    for _ in range(500):
-        if (await client.get("/ping")).status == 200:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("never ready")
-
-
-@pytest.fixture
-async def make(aiohttp_client: Any) -> Any:
-    async def build(engine: FakeEngine | None = None, **kw: Any) -> Any:
-        eng = engine or FakeEngine()
-        settings = ServerSettings(**{"max_in_flight": 1, "max_queue": 1, **kw})
-        client = await aiohttp_client(create_app(settings, lambda: eng))
-        await ready(client)
-        return client
-
-    return build
-
-
-async def error_of(response: Any, status: int) -> dict[str, Any]:
-    assert response.status == status, await response.text()
-    body = await response.json()
-    assert set(body["error"]) >= {"type", "code", "message", "param"}
-    return body["error"]
-
-
 def jsonl(lines: list[str]) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
@@ -92,7 +64,7 @@ async def records(response: Any) -> list[dict[str, Any]]:
 
 async def test_a_fault_mid_stream_is_an_error_line_per_input_line(make: Any) -> None:
     client = await make(FailingEngine(fail_on=2), jsonl_chunk=2)
-    lines = [json.dumps(decision(f"d{i}")) for i in range(6)]
+    lines = [json.dumps(decision_body(f"d{i}")) for i in range(6)]
     out = await records(await client.post("/invocations", data=jsonl(lines), headers=JSONL))
     assert [o["line"] for o in out] == [1, 2, 3, 4, 5, 6]
     assert ["result" in o for o in out] == [True, True, False, False, True, True]
@@ -102,7 +74,7 @@ async def test_a_fault_mid_stream_is_an_error_line_per_input_line(make: Any) -> 
 async def test_sixteen_good_lines_then_a_bracket_bomb(make: Any) -> None:
     """The issue's reproduction: a line of 5,000 '[' raised RecursionError mid-stream."""
     client = await make(jsonl_chunk=4)
-    lines = [json.dumps(decision(f"d{i}")) for i in range(16)] + ["[" * 5000]
+    lines = [json.dumps(decision_body(f"d{i}")) for i in range(16)] + ["[" * 5000]
     out = await records(await client.post("/invocations", data=jsonl(lines), headers=JSONL))
     assert len(out) == 17 and all("result" in o for o in out[:16])
     assert out[16]["line"] == 17 and out[16]["error"]["code"] == "invalid_json"
@@ -155,7 +127,7 @@ async def test_hostile_ids_are_echoed_safely_or_not_at_all(make: Any) -> None:
     lines = [
         json.dumps({"id": "\ud800", "state": "s"}),  # a lone surrogate, escaped by json.dumps
         json.dumps({"id": [[[[1]]]], "state": "s"}),
-        json.dumps({**decision("ok"), "question": "x\udfffy"}),
+        json.dumps({**decision_body("ok"), "question": "x\udfffy"}),
     ]
     out = await records(await client.post("/invocations", data=jsonl(lines), headers=JSONL))
     assert [o["line"] for o in out] == [1, 2, 3]
@@ -177,7 +149,7 @@ async def test_a_stalled_jsonlines_upload_does_not_block_other_requests(make: An
 
     upload = asyncio.ensure_future(client.post("/invocations", data=stalled(), headers=JSONL))
     await asyncio.sleep(0.3)
-    other = await client.post("/invocations", json={"decision": decision()})
+    other = await client.post("/invocations", json={"decision": decision_body()})
     assert other.status == 200, await other.text()
     response = await upload
     release.set()
@@ -258,23 +230,25 @@ async def test_the_api_key_guards_invocations_too(make: Any) -> None:
     client = await make(api_key=KEY)
     systemone_body = {"model": "default", "state": "s", "questions": {"q": {"type": "noul"}}}
     chat_body = {"messages": [{"role": "user", "content": "hi"}]}
-    for body in ({"decision": decision()}, chat_body, systemone_body):
+    for body in ({"decision": decision_body()}, chat_body, systemone_body):
         bare = await client.post("/invocations", json=body)
         error = await error_of(bare, 401)
         assert error["code"] == "invalid_api_key" and bare.headers["WWW-Authenticate"] == "Bearer"
-    lines = await client.post("/invocations", data=jsonl([json.dumps(decision())]), headers=JSONL)
+    lines = await client.post(
+        "/invocations", data=jsonl([json.dumps(decision_body())]), headers=JSONL
+    )
     assert lines.status == 401
     assert (await client.post("/v1/chat/completions", json=chat_body)).status == 401
     assert (await client.post("/v1/systemone", json=systemone_body)).status == 401
     auth = {"Authorization": f"Bearer {KEY}"}
-    ok = await client.post("/invocations", json={"decision": decision()}, headers=auth)
+    ok = await client.post("/invocations", json={"decision": decision_body()}, headers=auth)
     assert ok.status == 200
     assert (await client.get("/ping")).status == 200  # health stays open
 
 
 async def test_sagemaker_opt_out_leaves_invocations_to_iam(make: Any) -> None:
     client = await make(api_key=KEY, api_key_exempt_invocations=True)
-    assert (await client.post("/invocations", json={"decision": decision()})).status == 200
+    assert (await client.post("/invocations", json={"decision": decision_body()})).status == 200
     chat_body = {"messages": [{"role": "user", "content": "hi"}]}
     assert (await client.post("/v1/chat/completions", json=chat_body)).status == 401
 
@@ -283,7 +257,9 @@ async def test_sagemaker_opt_out_leaves_invocations_to_iam(make: Any) -> None:
 async def test_a_non_ascii_bearer_token_is_401_not_500(make: Any, token: str) -> None:
     client = await make(api_key=KEY)
     response = await client.post(
-        "/invocations", json={"decision": decision()}, headers={"Authorization": f"Bearer {token}"}
+        "/invocations",
+        json={"decision": decision_body()},
+        headers={"Authorization": f"Bearer {token}"},
     )
     assert response.status == 401
 
@@ -291,7 +267,7 @@ async def test_a_non_ascii_bearer_token_is_401_not_500(make: Any, token: str) ->
 async def test_a_non_ascii_key_matches_itself(make: Any) -> None:
     client = await make(api_key="clé")
     response = await client.post(
-        "/invocations", json={"decision": decision()}, headers={"Authorization": "Bearer clé"}
+        "/invocations", json={"decision": decision_body()}, headers={"Authorization": "Bearer clé"}
     )
     assert response.status == 200, await response.text()
 
@@ -301,7 +277,7 @@ async def test_a_non_ascii_key_matches_itself(make: Any) -> None:
 
 async def test_a_post_without_content_type_is_415(make: Any) -> None:
     client = await make()
-    body = json.dumps({"decision": decision()}).encode()
+    body = json.dumps({"decision": decision_body()}).encode()
     for path in ("/invocations", "/v1/chat/completions", "/v1/systemone"):
         response = await client.post(path, data=body, skip_auto_headers=["Content-Type"])
         error = await error_of(response, 415)
@@ -316,7 +292,8 @@ async def test_a_post_without_content_type_is_415(make: Any) -> None:
 
 async def test_lines_read_before_the_body_limit_still_get_their_output(make: Any) -> None:
     client = await make(jsonl_chunk=100, max_jsonl_mb=2000 / 2**20)
-    lines = [json.dumps(decision(f"d{i}")) for i in range(40)]  # ~150 bytes each, 6 kB in all
+    short = {"state": "The printer is on fire.", "question": "What now?", "options": 2}
+    lines = [json.dumps(decision_body(f"d{i}", **short)) for i in range(40)]  # ~150 bytes each
     payload = jsonl(lines)
 
     async def chunks() -> Any:

@@ -12,7 +12,7 @@ from adapter.app import create_app
 from arbiter.engine import Engine
 from arbiter.schema import DecisionRequest
 from arbiter.settings import ServerSettings
-from tests.app_fakes import decision
+from tests.fakes import decision_body
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -58,7 +58,7 @@ async def test_decisions_in_input_order_shared_state_reuses_prefix(client: Any) 
     body = {
         "decisions": [
             ticket("q1"),
-            decision("other", state={"printer": "on fire"}),
+            decision_body("other", state={"printer": "on fire"}),
             ticket("q2", "Is this urgent?"),
         ]
     }

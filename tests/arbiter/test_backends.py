@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 from arbiter.engine.backends import loaded_cpu_variant
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests import ROOT
 
 _PROBE = """
 import json, re

@@ -15,9 +15,8 @@ from arbiter.errors import ContextLengthExceeded, TooManyOptions
 from arbiter.schema import DecisionRequest, DecisionResult
 from arbiter.settings import EngineSettings
 from bench.floor import reference_option_logits
-from tests.conftest import decision
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from tests import EXAMPLES
+from tests.fakes import decision
 
 # States whose last characters tend to merge with the "\n\n" that follows them in the prompt.
 TRICKY_STATES: list[object] = [

@@ -23,10 +23,9 @@ from arbiter.engine.prefix_cache import PrefixCache
 from arbiter.errors import ContextLengthExceeded, EngineFailure, InvalidDecision
 from arbiter.schema import DecisionRequest, DecisionResult, Option
 from arbiter.settings import EngineSettings
-from tests.conftest import decision
+from tests import ROOT
+from tests.fakes import decision
 from tests.strategies import SCALE
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _ok(outcome: DecisionResult | Exception) -> DecisionResult:
@@ -250,7 +249,7 @@ def test_close_waits_for_running_calls_and_later_calls_fail_cleanly() -> None:
         from arbiter.errors import EngineFailure
         from arbiter.schema import DecisionResult
         from arbiter.settings import EngineSettings
-        from tests.conftest import decision
+        from tests.fakes import decision
 
         eng = Engine(EngineSettings(model_dir=Path("/nonexistent"), n_threads=2, n_ctx=1024))
         outcomes = []

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from arbiter.engine import Engine, ordering
 from arbiter.errors import TooManyOptions
 from arbiter.schema import DecisionRequest, DecisionResult
-from tests.conftest import decision
+from tests.fakes import decision
 
 
 def _ok(outcome: object) -> DecisionResult:

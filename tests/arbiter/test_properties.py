@@ -31,7 +31,7 @@ from arbiter.errors import ArbiterError
 from arbiter.lines import parse_decision_line
 from arbiter.schema import DecisionRequest, DecisionResult
 from arbiter.settings import ServerSettings
-from tests.app_fakes import FakeEngine
+from tests.fakes import FakeEngine
 from tests.live_server import serve
 from tests.strategies import (
     anything,

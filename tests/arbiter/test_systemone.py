@@ -150,7 +150,7 @@ def test_answers_from_the_real_engine_share_one_state(engine: Engine) -> None:
 
 def test_a_server_side_failure_is_not_reported_as_the_callers_422() -> None:
     from arbiter.errors import EngineFailure, TooManyOptions
-    from tests.app_fakes import uniform_result
+    from tests.fakes import uniform_result
 
     req = _request(a={"type": "noul"}, b={"type": "noul"})
     a, _ = systemone.to_decisions(req)

@@ -16,9 +16,8 @@ import pytest
 from arbiter.cli import build_parser, main
 from evaluation.backends import HttpBackend
 from evaluation.cli import cmd_calibrate, cmd_eval
-from tests.conftest import decision
-
-DATA = Path(__file__).resolve().parent / "data"
+from tests import DATA
+from tests.fakes import decision
 
 
 class _Fake(BaseHTTPRequestHandler):

@@ -9,9 +9,7 @@ import pytest
 
 from arbiter import systemone
 from evaluation.tasks import TaskFileError, load, parse_record
-
-DATA = Path(__file__).resolve().parent / "data"
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from tests import DATA, EXAMPLES
 
 
 def _options(item: object) -> list[tuple[str, str]]:

@@ -24,8 +24,8 @@ from infra.deploy import (
     parse_image,
 )
 from infra.package_model import package_model
-from tests.test_package_model import fake_gguf
-from tests.worker_support import moto_endpoint, reset_moto
+from tests.aws import moto_endpoint, reset_moto
+from tests.infra.test_package_model import fake_gguf
 
 DIGEST = "3f" * 32
 IMAGE = f"123456789012.dkr.ecr.us-east-1.amazonaws.com/arbiter@sha256:{DIGEST}"

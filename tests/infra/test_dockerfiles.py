@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import ROOT
+
 DOCKERFILES = {
     "cpu": ROOT / "container" / "Dockerfile.cpu",
     "cuda": ROOT / "container" / "Dockerfile.cuda",

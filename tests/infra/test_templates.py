@@ -13,9 +13,10 @@ import pytest
 
 from arbiter.settings import EngineSettings, EntrypointSettings, ServerSettings
 from infra.deploy import CPU_INSTANCE_TYPE, GPU_INSTANCE_POOL
+from tests import ROOT
 from worker.settings import WorkerSettings
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "infra" / "cloudformation"
+TEMPLATES = ROOT / "infra" / "cloudformation"
 
 
 def load(name: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from arbiter.errors import ArbiterError
 from arbiter.schema import DecisionRequest
-from tests.worker_support import decision_line
+from tests.fakes import decision_line
 from worker.events import Ignored, JobRef, UnreadableMessage, parse_message
 from worker.formats import items_for
 from worker.jobs import output_keys

@@ -8,50 +8,17 @@ import json
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from tests.worker_support import (
-    FakeEngine,
-    aws_clients,
-    decision_line,
-    list_keys,
-    queue_counts,
-    read_object,
-    receive_all,
-    wait_for,
-)
+from tests.aws import aws_clients, list_keys, queue_counts, read_object, receive_all, wait_for
+from tests.fakes import FakeEngine, decision_line
+from tests.worker.support import make_consumer, sample, settings_for
 from worker.events import JobRef, UnreadableMessage, parse_message
 from worker.jobs import output_keys, run_job
-from worker.metrics import WorkerMetrics
-from worker.queue import Consumer, describe_queue
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
 
 DEEP = "[" * 50_000 + "]" * 50_000
-
-
-def settings_for(endpoint: str, **kw: Any) -> WorkerSettings:
-    base: dict[str, Any] = {
-        "aws_endpoint_url": endpoint,
-        "bucket": "jobs",
-        "wait_time_s": 1,
-        "visibility_timeout_s": 30,
-        "backoff_base_s": 0,
-    }
-    return WorkerSettings(**{**base, **kw})
-
-
-def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    return registry.get_sample_value(name, labels or None) or 0.0
-
-
-async def _consumer(
-    settings: WorkerSettings, s3: Any, sqs: Any, engine: Any, **kw: Any
-) -> tuple[Consumer, CollectorRegistry]:
-    registry = CollectorRegistry()
-    queue = await describe_queue(sqs, settings)
-    return Consumer(settings, s3, sqs, engine, queue, WorkerMetrics(registry), **kw), registry
 
 
 async def _job_message(s3: Any, sqs: Any, url: str, key: str, body: bytes) -> dict[str, Any]:
@@ -96,7 +63,7 @@ async def test_a_deeply_nested_message_goes_to_the_dlq_at_its_first_receive(endp
         await sqs.purge_queue(QueueUrl=stack["queue_url"])
         await sqs.send_message(QueueUrl=stack["queue_url"], MessageBody=DEEP)
         [message] = await receive_all(sqs, stack["queue_url"], wait=1)
-        consumer, registry = await _consumer(settings, s3, sqs, FakeEngine())
+        consumer, registry = await make_consumer(settings, s3, sqs, FakeEngine())
         await consumer.handle(message)
         assert await queue_counts(sqs, stack["queue_url"]) == (0, 0)
         dead = await receive_all(sqs, stack["dlq_url"], wait=1)
@@ -121,7 +88,7 @@ async def test_a_deeply_nested_line_is_one_error_line_in_a_successful_job(endpoi
         message = await _job_message(
             s3, sqs, stack["queue_url"], "incoming/deep.jsonl", "\n".join(lines).encode()
         )
-        consumer, registry = await _consumer(settings, s3, sqs, FakeEngine())
+        consumer, registry = await make_consumer(settings, s3, sqs, FakeEngine())
         await consumer.handle(message)
         [results, _summary] = await list_keys(s3, "jobs", "results/")
         records = [json.loads(x) for x in (await read_object(s3, "jobs", results)).splitlines()]
@@ -149,7 +116,7 @@ async def test_a_refused_heartbeat_stops_the_job(endpoint: str) -> None:
     async with aws_clients(endpoint) as (s3, sqs):
         stack = await ensure_stack(s3, sqs, settings)
         message = await _job_message(s3, sqs, stack["queue_url"], "incoming/gone.jsonl", body)
-        consumer, registry = await _consumer(settings, s3, sqs, engine)
+        consumer, registry = await make_consumer(settings, s3, sqs, engine)
         task = asyncio.create_task(consumer.handle(message))
         await asyncio.to_thread(engine.started.wait, 10)
         # Someone else (an operator, a second worker after a lost lease) deleted the message.
@@ -175,7 +142,7 @@ async def test_a_job_at_the_visibility_limit_stops_before_its_message_reappears(
     async with aws_clients(endpoint) as (s3, sqs):
         stack = await ensure_stack(s3, sqs, settings)
         message = await _job_message(s3, sqs, stack["queue_url"], "incoming/long.jsonl", body)
-        consumer, registry = await _consumer(settings, s3, sqs, engine, visibility_limit_s=4)
+        consumer, registry = await make_consumer(settings, s3, sqs, engine, visibility_limit_s=4)
         task = asyncio.create_task(consumer.handle(message))
         stolen: list[dict[str, Any]] = []
         while not task.done():  # a second worker polls all along
@@ -199,12 +166,12 @@ async def test_drain_releases_do_not_count_as_failed_receives(endpoint: str) -> 
         )
         for _ in range(3):  # three deploys, each interrupting the job
             engine = FakeEngine(delay_s=3.0)
-            consumer, _ = await _consumer(settings, s3, sqs, engine)
+            consumer, _ = await make_consumer(settings, s3, sqs, engine)
             task = asyncio.create_task(consumer.run())
             await asyncio.to_thread(engine.started.wait, 10)
             consumer.stop()
             await asyncio.wait_for(task, 10)
-        consumer, registry = await _consumer(settings, s3, sqs, FakeEngine())
+        consumer, registry = await make_consumer(settings, s3, sqs, FakeEngine())
         task = asyncio.create_task(consumer.run())
         await wait_for(lambda: list_keys(s3, "jobs", "results/"), within_s=15)
         await wait_for(lambda: _empty(sqs, stack["queue_url"]))
@@ -229,7 +196,7 @@ async def test_a_deleted_input_goes_to_the_dlq_at_its_first_receive(endpoint: st
             s3, sqs, stack["queue_url"], "incoming/deleted.jsonl", decision_line(1).encode()
         )
         await s3.delete_object(Bucket="jobs", Key="incoming/deleted.jsonl")
-        consumer, registry = await _consumer(settings, s3, sqs, FakeEngine())
+        consumer, registry = await make_consumer(settings, s3, sqs, FakeEngine())
         await consumer.handle(message)
         assert await queue_counts(sqs, stack["queue_url"]) == (0, 0)
         dead = await receive_all(sqs, stack["dlq_url"], wait=1)

@@ -15,7 +15,7 @@ import pytest
 
 from arbiter.errors import ArbiterError
 from arbiter.schema import DecisionRequest
-from tests.worker_support import FakeEngine, decision_line
+from tests.fakes import FakeEngine, decision_line
 from worker.formats import items_for
 from worker.jobs import JobFailed, write_records
 from worker.settings import WorkerSettings

@@ -19,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.worker_support import FakeEngine, aws_clients, moto_endpoint, read_object, reset_moto
+from tests.aws import aws_clients, moto_endpoint, read_object, reset_moto
+from tests.fakes import FakeEngine
 from worker.events import JobRef
 from worker.formats import items_for
 from worker.jobs import run_job, write_records

@@ -12,17 +12,17 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-from tests.worker_support import aws_clients, decision_line
+from tests import ROOT
+from tests.aws import aws_clients
+from tests.fakes import decision_line
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
 
-ROOT = Path(__file__).resolve().parent.parent
-
 RUN_JOB = """
 import asyncio, json, resource, sys
-from tests.worker_support import FakeEngine, aws_clients
+from tests.aws import aws_clients
+from tests.fakes import FakeEngine
 from worker.events import JobRef
 from worker.jobs import run_job
 from worker.settings import WorkerSettings

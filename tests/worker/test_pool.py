@@ -20,19 +20,11 @@ from typing import Any
 
 import pytest
 
-from tests.worker_support import (
-    aws_clients,
-    decision_line,
-    list_keys,
-    queue_counts,
-    read_object,
-    receive_all,
-    wait_for,
-)
+from tests import ROOT
+from tests.aws import aws_clients, list_keys, queue_counts, read_object, receive_all, wait_for
+from tests.fakes import decision_line
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class Proc:
@@ -111,7 +103,7 @@ def worker_env(endpoint: str, **extra: Any) -> dict[str, str]:
         ARBITER_BUCKET="jobs",
         ARBITER_WAIT_TIME_S="1",
         ARBITER_METRICS_PORT="0",
-        ARBITER_WORKER_ENGINE_FACTORY="tests.worker_support:make_fake_engine",
+        ARBITER_WORKER_ENGINE_FACTORY="tests.fakes:make_fake_engine",
         ARBITER_RESTART_DELAY_S="0.2",
     )
     env.update({k: str(v) for k, v in extra.items()})

@@ -6,44 +6,10 @@ import asyncio
 import json
 from typing import Any
 
-from prometheus_client import CollectorRegistry
-
-from tests.worker_support import (
-    FakeEngine,
-    aws_clients,
-    decision_line,
-    list_keys,
-    queue_counts,
-    receive_all,
-    wait_for,
-)
-from worker.metrics import WorkerMetrics
-from worker.queue import Consumer, describe_queue
-from worker.settings import WorkerSettings
+from tests.aws import aws_clients, list_keys, queue_counts, receive_all, wait_for
+from tests.fakes import FakeEngine, decision_line
+from tests.worker.support import make_consumer, sample, settings_for
 from worker.stack import ensure_stack
-
-
-def settings_for(endpoint: str, **kw: Any) -> WorkerSettings:
-    base: dict[str, Any] = {
-        "aws_endpoint_url": endpoint,
-        "bucket": "jobs",
-        "wait_time_s": 1,
-        "visibility_timeout_s": 30,
-        "backoff_base_s": 0,
-    }
-    return WorkerSettings(**{**base, **kw})
-
-
-def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    return registry.get_sample_value(name, labels or None) or 0.0
-
-
-async def _consumer(
-    settings: WorkerSettings, s3: Any, sqs: Any, engine: Any
-) -> tuple[Consumer, CollectorRegistry]:
-    registry = CollectorRegistry()
-    queue = await describe_queue(sqs, settings)
-    return Consumer(settings, s3, sqs, engine, queue, WorkerMetrics(registry)), registry
 
 
 async def test_test_event_and_outside_prefix_are_deleted(endpoint: str) -> None:
@@ -57,7 +23,7 @@ async def test_test_event_and_outside_prefix_are_deleted(endpoint: str) -> None:
             MessageBody=json.dumps({"bucket": "jobs", "key": "other/a.jsonl"}),
         )
         engine = FakeEngine()
-        consumer, registry = await _consumer(settings, s3, sqs, engine)
+        consumer, registry = await make_consumer(settings, s3, sqs, engine)
         task = asyncio.create_task(consumer.run())
         await wait_for(lambda: _empty(sqs, stack["queue_url"]))
         consumer.stop()
@@ -77,7 +43,7 @@ async def test_failing_job_backs_off_then_lands_in_the_dlq(endpoint: str) -> Non
     async with aws_clients(endpoint) as (s3, sqs):
         stack = await ensure_stack(s3, sqs, settings)
         await s3.put_object(Bucket="jobs", Key="incoming/bad.jsonl", Body=decision_line(1).encode())
-        consumer, registry = await _consumer(settings, s3, sqs, FakeEngine(fail=True))
+        consumer, registry = await make_consumer(settings, s3, sqs, FakeEngine(fail=True))
         task = asyncio.create_task(consumer.run())
         dead = await wait_for(lambda: receive_all(sqs, stack["dlq_url"], wait=1), within_s=40)
         consumer.stop()
@@ -95,7 +61,7 @@ async def test_unreadable_message_goes_straight_to_the_dlq(endpoint: str) -> Non
     async with aws_clients(endpoint) as (s3, sqs):
         stack = await ensure_stack(s3, sqs, settings)
         await sqs.send_message(QueueUrl=stack["queue_url"], MessageBody="not json at all")
-        consumer, registry = await _consumer(settings, s3, sqs, FakeEngine())
+        consumer, registry = await make_consumer(settings, s3, sqs, FakeEngine())
         task = asyncio.create_task(consumer.run())
         dead = await wait_for(lambda: receive_all(sqs, stack["dlq_url"], wait=1))
         consumer.stop()
@@ -114,7 +80,7 @@ async def test_heartbeat_keeps_a_slow_job_invisible_until_it_is_done(endpoint: s
         await s3.put_object(
             Bucket="jobs", Key="incoming/slow.jsonl", Body=decision_line(1).encode()
         )
-        consumer, registry = await _consumer(settings, s3, sqs, engine)
+        consumer, registry = await make_consumer(settings, s3, sqs, engine)
         task = asyncio.create_task(consumer.run())
         await asyncio.to_thread(engine.started.wait, 10)
         stolen = []
@@ -135,7 +101,7 @@ async def test_stop_finishes_the_job_in_hand_within_the_deadline(endpoint: str) 
     async with aws_clients(endpoint) as (s3, sqs):
         stack = await ensure_stack(s3, sqs, settings)
         await s3.put_object(Bucket="jobs", Key="incoming/d.jsonl", Body=decision_line(1).encode())
-        consumer, _ = await _consumer(settings, s3, sqs, engine)
+        consumer, _ = await make_consumer(settings, s3, sqs, engine)
         task = asyncio.create_task(consumer.run())
         await asyncio.to_thread(engine.started.wait, 10)
         consumer.stop()
@@ -152,7 +118,7 @@ async def test_drain_deadline_releases_the_message_at_once(endpoint: str) -> Non
         await receive_all(sqs, stack["queue_url"])
         await sqs.purge_queue(QueueUrl=stack["queue_url"])
         await s3.put_object(Bucket="jobs", Key="incoming/r.jsonl", Body=decision_line(1).encode())
-        consumer, _ = await _consumer(settings, s3, sqs, engine)
+        consumer, _ = await make_consumer(settings, s3, sqs, engine)
         task = asyncio.create_task(consumer.run())
         await asyncio.to_thread(engine.started.wait, 10)
         consumer.stop()
