@@ -16,11 +16,10 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from adapter import execution, middleware, systemone
+from adapter import chat, execution, invocations, middleware, systemone
 from adapter.admission import Admission
-from adapter.chat import chat_completions
-from adapter.invocations import invocations
 from adapter.metrics import Metrics
+from adapter.openapi import Operation
 from adapter.state import CLOSE_ENGINE, STATE, EngineHolder, State
 from arbiter.engine import Engine
 from arbiter.errors import ModelNotReady
@@ -29,8 +28,12 @@ from arbiter.settings import MB, ServerSettings
 
 OPENAPI_PATH = Path(__file__).with_name("openapi.json")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+METRICS_HANDLER = web.AppKey("metrics_handler", Handler)
 
 log = get_logger("arbiter.http")
+
+
+PING = Operation(summary="Health: 200 once the model is loaded", ok="Ready")
 
 
 async def ping(request: web.Request) -> web.Response:
@@ -40,6 +43,13 @@ async def ping(request: web.Request) -> web.Response:
     if state.warming:
         raise ModelNotReady("measuring this machine's speed for Batch Transform", retry_after=1)
     return web.json_response({"status": "ok"})
+
+
+MODELS = Operation(
+    summary="The served model (OpenAI list shape, with Arbiter's model metadata)",
+    ok="Model list",
+    errors=(401, 500, 503),
+)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -64,25 +74,45 @@ async def models(request: web.Request) -> web.Response:
     )
 
 
+METRICS = Operation(
+    summary="Prometheus metrics",
+    ok="Prometheus text format",
+    ok_bodies={"text/plain": {"type": "string"}},
+    errors=(),
+)
+
+
+async def metrics(request: web.Request) -> web.StreamResponse:
+    """`GET /metrics`: this app's registry (prometheus-client's own handler)."""
+    return await request.app[METRICS_HANDLER](request)
+
+
+OPENAPI = Operation(summary="This document", ok="OpenAPI 3.1", errors=())
+
+
 async def openapi(request: web.Request) -> web.Response:
     return web.Response(body=request.app[STATE].openapi, content_type="application/json")
 
 
 @dataclass(frozen=True)
 class Route:
+    """One route: what serves it, and what the OpenAPI document says about it."""
+
     method: str
     path: str
     handler: Handler
+    operation: Operation
 
 
 ROUTES = (
-    Route("GET", "/ping", ping),
-    Route("POST", "/invocations", invocations),
-    Route("GET", "/execution-parameters", execution.execution_parameters),
-    Route("POST", "/v1/chat/completions", chat_completions),
-    Route("POST", "/v1/systemone", systemone.systemone_route),
-    Route("GET", "/v1/models", models),
-    Route("GET", "/openapi.json", openapi),
+    Route("GET", "/ping", ping, PING),
+    Route("POST", "/invocations", invocations.invocations, invocations.OPERATION),
+    Route("GET", "/execution-parameters", execution.execution_parameters, execution.OPERATION),
+    Route("POST", "/v1/chat/completions", chat.chat_completions, chat.OPERATION),
+    Route("GET", "/v1/models", models, MODELS),
+    Route("GET", "/metrics", metrics, METRICS),
+    Route("GET", "/openapi.json", openapi, OPENAPI),
+    Route("POST", "/v1/systemone", systemone.systemone_route, systemone.OPERATION),
 )
 
 
@@ -123,6 +153,7 @@ def create_app(
     )
     app[STATE] = state
     app[CLOSE_ENGINE] = close_engine
+    app[METRICS_HANDLER] = make_aiohttp_handler(registry=app_metrics.registry)
     app.on_response_prepare.append(middleware.on_prepare)
     app.cleanup_ctx.append(_engine_lifetime)
     for route in ROUTES:
@@ -130,7 +161,6 @@ def create_app(
             app.router.add_get(route.path, route.handler)  # and HEAD
         else:
             app.router.add_route(route.method, route.path, route.handler)
-    app.router.add_get("/metrics", make_aiohttp_handler(registry=app_metrics.registry))
     return app
 
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from adapter.admission import Slot
 from adapter.bodies import json_body
+from adapter.openapi import JSON, SSE_EVENT, Operation
 from adapter.state import REQUEST_LOG, STATE, RequestLog, State
 from adapter.streaming import OPEN_STREAM, OpenStream
 from arbiter import jsonio
@@ -109,6 +110,26 @@ def render(
 # -- responses -------------------------------------------------------------------------------------
 
 
+class ChatCompletion(BaseModel):
+    """An OpenAI chat completion (chat.completion.chunk events when streamed)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[dict[str, Any]]
+    usage: dict[str, int]
+
+
+OPERATION = Operation(
+    summary="OpenAI chat completions (same as /invocations with messages)",
+    request={JSON: ChatCompletionRequest},
+    ok="A chat completion, or server-sent events when stream is true",
+    ok_bodies={JSON: ChatCompletion, "text/event-stream": SSE_EVENT},
+    errors=(400, 401, 408, 413, 415, 422, 500, 503),
+)
+
+
 def completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -124,20 +145,20 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def completion(
     cid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
 ) -> dict[str, Any]:
-    return {
-        "id": cid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
+    return ChatCompletion(
+        id=cid,
+        object="chat.completion",
+        created=int(time.time()),
+        model=model,
+        choices=[
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": finish_reason,
             }
         ],
-        "usage": usage(prompt_tokens, completion_tokens),
-    }
+        usage=usage(prompt_tokens, completion_tokens),
+    ).model_dump()
 
 
 def chunk(

@@ -15,9 +15,12 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Literal
 
 from aiohttp import web
+from pydantic import BaseModel
 
+from adapter.openapi import JSON, Operation
 from adapter.state import STATE, State
 from arbiter.lines import score_lines
 from arbiter.logging import get_logger
@@ -85,17 +88,33 @@ def payload_mb(throughput: Throughput, timeout_s: float) -> int:
     return max(MIN_PAYLOAD_MB, min(MAX_PAYLOAD_MB, fits))
 
 
+class ExecutionParameters(BaseModel):
+    """What Batch Transform reads from `GET /execution-parameters` before it starts posting."""
+
+    MaxConcurrentTransforms: int
+    BatchStrategy: Literal["MULTI_RECORD"]
+    MaxPayloadInMB: int
+
+
+OPERATION = Operation(
+    summary="Batch Transform hints",
+    ok="MaxConcurrentTransforms (ARBITER_MAX_IN_FLIGHT), BatchStrategy MULTI_RECORD, and "
+    "MaxPayloadInMB: ARBITER_BATCH_MAX_PAYLOAD_MB, or sized from this machine's measured speed so "
+    "one mini-batch takes at most half of ARBITER_BATCH_INVOCATION_TIMEOUT_S",
+    ok_bodies={JSON: ExecutionParameters},
+)
+
+
 async def execution_parameters(request: web.Request) -> web.Response:
-    """`GET /execution-parameters`: what Batch Transform reads before it starts posting."""
+    """`GET /execution-parameters`, measured once when no MaxPayloadInMB is configured."""
     state = request.app[STATE]
     s = state.settings
-    return web.json_response(
-        {
-            "MaxConcurrentTransforms": s.max_in_flight,
-            "BatchStrategy": "MULTI_RECORD",
-            "MaxPayloadInMB": s.batch_max_payload_mb or await batch_payload(state),
-        }
+    params = ExecutionParameters(
+        MaxConcurrentTransforms=s.max_in_flight,
+        BatchStrategy="MULTI_RECORD",
+        MaxPayloadInMB=s.batch_max_payload_mb or await batch_payload(state),
     )
+    return web.json_response(params.model_dump())
 
 
 async def batch_payload(state: State) -> int:

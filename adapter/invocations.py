@@ -11,14 +11,61 @@ from aiohttp import web
 
 from adapter import chat, jsonlines, systemone
 from adapter.bodies import JSONL_TYPES, json_body
+from adapter.openapi import (
+    CUSTOM_ATTRIBUTES_HEADER,
+    ERRORS,
+    JSON,
+    SSE_EVENT,
+    AnyOf,
+    DecisionBatch,
+    DecisionBody,
+    Error,
+    HTTPValidationError,
+    JsonLinesRecord,
+    Operation,
+)
 from adapter.state import REQUEST_LOG, STATE, State
 from arbiter import jsonio
 from arbiter.errors import ArbiterError, InvalidDecision
 from arbiter.lines import validate_decision
 from arbiter.schema import DecisionRequest
 from arbiter.scorer import Outcome
+from arbiter.systemone import SystemOneRequest
 
 SHAPES = ("decision", "decisions", "messages")
+
+OPERATION = Operation(
+    summary="SageMaker invocation: a decision, a list of decisions, chat messages, a System One "
+    "body, or JSON Lines",
+    description="Content-Type is required: application/json (a decision, decisions, messages or a "
+    "System One body) or application/jsonlines (one decision per line, streamed both ways). Once "
+    "a JSON Lines or server-sent-events response has started, a failure is written in-band: an "
+    'error record after the lines already answered, or an {"error": ...} event followed by '
+    "[DONE].",
+    parameters=(CUSTOM_ATTRIBUTES_HEADER,),
+    request={
+        JSON: AnyOf((DecisionBody, DecisionBatch, chat.ChatCompletionRequest, SystemOneRequest)),
+        "application/jsonlines": {
+            "type": "string",
+            "description": "One DecisionRequest per line (streamed; up to ARBITER_MAX_JSONL_MB)",
+        },
+    },
+    ok="{result} for decision; {results, timing} for decisions; a chat completion "
+    "(text/event-stream when stream is true) for messages; the System One answer for a System One "
+    "body; one JsonLinesRecord per line for application/jsonlines",
+    ok_bodies={
+        JSON: {"type": "object"},
+        "application/jsonlines": JsonLinesRecord,
+        "text/event-stream": SSE_EVENT,
+    },
+    errors=(400, 401, 408, 413, 415, 422, 500, 503),
+    error_notes={
+        401: f"{ERRORS[401]} (unless ARBITER_API_KEY_EXEMPT_INVOCATIONS)",
+        415: "Content-Type missing or not JSON (JSON Lines on /invocations)",
+        422: f"{ERRORS[422]}; a System One body gets the System One API's (FastAPI's) shape",
+    },
+    error_bodies={422: AnyOf((Error, HTTPValidationError))},
+)
 
 
 async def invocations(request: web.Request) -> web.StreamResponse:

@@ -14,13 +14,43 @@ from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel, Field
 
 from adapter.bodies import read_json
+from adapter.openapi import JSON, DetailMessage, HTTPValidationError, Operation
 from adapter.state import REQUEST_LOG, STATE, State
 from arbiter import jsonio, systemone
 from arbiter.engine import Engine
 from arbiter.errors import MalformedRequest
 from arbiter.scorer import Outcome
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+
+
+class SystemOneResponse(BaseModel):
+    model: str
+    answers: dict[str, dict[str, Any]] = Field(
+        description="noul: {type, noul}; choice: {type, choice, probabilities, confidence}; "
+        "score: {type, score, legend, probabilities, confidence}"
+    )
+    usage: Usage
+
+
+OPERATION = Operation(
+    summary="TypeSafe System One: questions (noul, choice, score) about one state, answered with "
+    "probabilities",
+    request={JSON: systemone.SystemOneRequest},
+    ok="Answers keyed by question id",
+    ok_bodies={JSON: SystemOneResponse},
+    errors=(401, 408, 413, 415, 422, 500, 503),
+    error_notes={
+        422: "Validation failure naming the field, or a body that is not JSON (FastAPI shape)"
+    },
+    error_bodies={401: DetailMessage, 422: HTTPValidationError},
+)
 
 
 def served_model_id(engine: Engine) -> str:
