@@ -1,4 +1,5 @@
 # Two commands for a fresh machine: `make run` and `make test` (see README).
+# make test: ruff, mypy --strict on the core and the two services' packages, then pytest.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -33,6 +34,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check arbiter adapter worker evaluation bench tests infra
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 # Builds the CPU image from container/Dockerfile.cpu with podman (installed from Debian if missing)

@@ -28,7 +28,7 @@ from arbiter.settings import MB, ServerSettings
 
 OPENAPI_PATH = Path(__file__).with_name("openapi.json")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-METRICS_HANDLER = web.AppKey("metrics_handler", Handler)
+METRICS_HANDLER = web.AppKey[Handler]("metrics_handler")
 
 log = get_logger("arbiter.http")
 

@@ -262,9 +262,6 @@ def _observe(state: State, info: RequestLog, generation: Generation) -> None:
     state.metrics.completion_tokens.inc(generation.completion_tokens)
 
 
-_DONE = object()
-
-
 async def _stream(
     request: web.Request,
     state: State,
@@ -277,7 +274,7 @@ async def _stream(
 ) -> web.StreamResponse:
     """Server-sent events: a role chunk, content chunks as text becomes final, a finish chunk."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Any] = asyncio.Queue()
+    queue: asyncio.Queue[str | None] = asyncio.Queue()  # None: the generation ended
     stopped = threading.Event()
 
     def on_text(text: str) -> bool:
@@ -294,10 +291,10 @@ async def _stream(
     await response.prepare(request)
     cid = completion_id()
     future = slot.start(lambda: engine.generate(tokens, on_text=on_text, **options))
-    future.add_done_callback(lambda _: queue.put_nowait(_DONE))
+    future.add_done_callback(lambda _: queue.put_nowait(None))
     try:
         await response.write(sse(chunk(cid, model, {"role": "assistant", "content": ""})))
-        while (item := await queue.get()) is not _DONE:
+        while (item := await queue.get()) is not None:
             await response.write(sse(chunk(cid, model, {"content": item})))
         generation = future.result()  # a failure is written in-band by the middleware
         _observe(state, request[REQUEST_LOG], generation)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -20,7 +23,7 @@ def cmd_entrypoint(args: argparse.Namespace) -> int:
     return main(args.args)
 
 
-def register(sub: Any) -> None:
+def register(sub: Subcommands) -> None:
     serve = sub.add_parser(
         "serve", help="run the HTTP server (SageMaker /ping + /invocations, chat, metrics)"
     )

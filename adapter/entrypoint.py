@@ -183,7 +183,7 @@ def exec_argv(command: str, args: Sequence[str], override: str | None) -> list[s
 def main(
     argv: Sequence[str] | None = None,
     *,
-    execvpe: Callable[[str, list[str], Mapping[str, str]], Any] = os.execvpe,
+    execvpe: Callable[[str, list[str], Mapping[str, str]], object] = os.execvpe,
     gpu_supported: Callable[[], bool] = gpu_offload_supported,
     s3_client: Any | None = None,
 ) -> int:

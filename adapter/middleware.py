@@ -13,10 +13,10 @@ import re
 import time
 import traceback
 import uuid
-from typing import Any, cast
 
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from adapter.state import REQUEST_LOG, STATE, RequestLog, State
 from adapter.streaming import OPEN_STREAM
@@ -104,7 +104,7 @@ def _route(request: web.Request) -> str:
 
 
 @web.middleware
-async def errors(request: web.Request, handler: Any) -> web.StreamResponse:
+async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Request id and log context, the one error mapping, the request's metrics and log line."""
     state = request.app[STATE]
     route = _route(request)
@@ -119,7 +119,7 @@ async def errors(request: web.Request, handler: Any) -> web.StreamResponse:
     info = request[REQUEST_LOG] = RequestLog()
     started = time.perf_counter()
     try:
-        response = cast(web.StreamResponse, await handler(request))
+        response = await handler(request)
     except asyncio.CancelledError:
         _finish(state, info, route, 499, started, "client_gone")
         raise
@@ -180,7 +180,7 @@ def authorized(request: web.Request, api_key: str | None) -> bool:
 
 
 @web.middleware
-async def api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+async def api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
     """With ARBITER_API_KEY set, every compute route needs the bearer token: /v1/* and
     /invocations (unless ARBITER_API_KEY_EXEMPT_INVOCATIONS, for a SageMaker endpoint, where IAM
     guards /invocations and the Authorization header never reaches the container)."""
@@ -196,7 +196,7 @@ async def api_key(request: web.Request, handler: Any) -> web.StreamResponse:
         if request.path == SYSTEMONE_PATH:
             error.detail = error.message  # the System One API's own 401 body
         raise error
-    return cast(web.StreamResponse, await handler(request))
+    return await handler(request)
 
 
 async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:

@@ -6,7 +6,8 @@ import asyncio
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+
+from structlog.typing import FilteringBoundLogger
 
 from arbiter.errors import ArbiterError
 from arbiter.settings import EngineSettings, ServerSettings
@@ -38,7 +39,9 @@ def serve(host: str | None = None, port: int | None = None, model: Path | None =
     return asyncio.run(_serve(server_settings, engine_settings, log))
 
 
-async def _serve(server_settings: ServerSettings, engine_settings: EngineSettings, log: Any) -> int:
+async def _serve(
+    server_settings: ServerSettings, engine_settings: EngineSettings, log: FilteringBoundLogger
+) -> int:
     from aiohttp import web
 
     from adapter.app import create_app

@@ -7,9 +7,12 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from arbiter.lines import Line, score_lines
+
+if TYPE_CHECKING:
+    Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -39,7 +42,7 @@ def cmd_decide(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return 1 if failures and failures == len(lines) else 0
 
 
-def register(sub: Any) -> None:
+def register(sub: Subcommands) -> None:
     decide = sub.add_parser("decide", help="score a JSONL file of decisions, print JSONL results")
     decide.add_argument("file", help="one decision {id, state, question, options} per line")
     decide.add_argument("--model", type=Path, default=None, help="a .gguf (else ARBITER_MODEL...)")

@@ -15,7 +15,7 @@ class ArbiterError(Exception):
     retryable: ClassVar[bool] = False
     # An API that speaks FastAPI's error shape (System One) answers ``{"detail": detail}``
     # instead of ``{"error": to_dict()}``.
-    detail: Any = None
+    detail: list[dict[str, Any]] | str | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

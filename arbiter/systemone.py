@@ -121,7 +121,7 @@ def _options(question: NoulQuestion | ChoiceQuestion | ScoreQuestion) -> list[tu
         ]
     if isinstance(question, ChoiceQuestion):
         return [
-            (name, f"{name}: {text(desc)}" if desc not in (None, "") else name)  # type: ignore[arg-type]
+            (name, f"{name}: {text(desc)}" if desc not in (None, "") else name)
             for name, desc in question.criteria.items()
         ]
     return [(str(i), text(level)) for i, level in enumerate(question.criteria)]

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import llama_cpp
 import numpy as np
@@ -81,7 +81,8 @@ class NumpyBatch:
             np.uint64
         )
         self._logits = np.zeros(capacity, dtype=np.int8)
-        self.struct = llama_cpp.llama_batch()
+        # llama-cpp-python annotates these pointer fields as ctypes arrays: the struct is Any here.
+        self.struct: Any = cast(Any, llama_cpp.llama_batch())
         self.struct.token = self._token.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token))
         self.struct.embd = ctypes.POINTER(ctypes.c_float)()
         self.struct.pos = self._pos.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_pos))

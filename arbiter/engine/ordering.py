@@ -83,7 +83,9 @@ def expand(decisions: Sequence[DecisionRequest]) -> tuple[list[DecisionRequest],
     orders: list[list[tuple[int, ...]]] = []
     for request in decisions:
         k = request.order_samples or 1
-        perms = permutations(len(request.options), k, _seed(request)) if k > 1 else [()]
+        perms: list[tuple[int, ...]] = (
+            permutations(len(request.options), k, _seed(request)) if k > 1 else [()]
+        )
         slot = []
         for j, perm in enumerate(perms):
             slot.append(len(expanded))

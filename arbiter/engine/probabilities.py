@@ -15,7 +15,7 @@ def logsumexp(values: np.ndarray, axis: int | None = None) -> np.ndarray:
     """log(sum(exp(values))) without overflow, over ``axis`` (all values when None)."""
     top = np.max(values, axis=axis, keepdims=True)
     out = top + np.log(np.sum(np.exp(values - top), axis=axis, keepdims=True))
-    return np.squeeze(out, axis=axis) if axis is not None else out.reshape(())
+    return np.asarray(np.squeeze(out, axis=axis) if axis is not None else out.reshape(()))
 
 
 def softmax(logits: np.ndarray | Sequence[float], temperature: float = 1.0) -> np.ndarray:
@@ -23,4 +23,4 @@ def softmax(logits: np.ndarray | Sequence[float], temperature: float = 1.0) -> n
     overflow gives non-finite values (no warning): callers that take any temperature check."""
     with np.errstate(over="ignore", invalid="ignore"):
         scaled = np.asarray(logits, dtype=np.float64) / temperature
-        return np.exp(scaled - logsumexp(scaled))
+        return np.asarray(np.exp(scaled - logsumexp(scaled)))

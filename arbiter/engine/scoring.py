@@ -15,6 +15,7 @@ import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -55,7 +56,7 @@ class Prepared:
 @dataclass
 class GroupRun:
     prefix_tokens: int
-    cache: str
+    cache: Literal["hit", "miss", "off"]
     prefill_s: float
 
 
@@ -229,7 +230,7 @@ class Scoring:
     ) -> GroupRun:
         """Prefill (or restore) the prefix in sequence 0, then decode the suffixes as branches."""
         started = time.perf_counter()
-        cache_state = "off"
+        cache_state: Literal["hit", "miss", "off"] = "off"
         if cache.enabled:
             key = prefix_key(self.model_sha256, prefix)
             saved = cache.get(key)
@@ -318,7 +319,7 @@ class Scoring:
             allowed_mass=min(1.0, allowed),
             temperature=float(temperature),
             probability_status="raw",
-            prefix_cache=run.cache,  # type: ignore[arg-type]
+            prefix_cache=run.cache,
             prompt=PromptInfo(
                 sha256=p.prompt_sha256,
                 version=self.prompts.layout.version,
