@@ -9,31 +9,28 @@ errors become responses in one middleware (``adapter.middleware``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from adapter import chat, execution, invocations, middleware, systemone
+from adapter import chat, execution, invocations, middleware, openapi, systemone
 from adapter.admission import Admission
 from adapter.metrics import Metrics
-from adapter.openapi import Operation
 from adapter.state import CLOSE_ENGINE, STATE, EngineHolder, State
 from arbiter.engine import Engine
 from arbiter.errors import ModelNotReady
 from arbiter.logging import get_logger
 from arbiter.settings import MB, ServerSettings
 
-OPENAPI_PATH = Path(__file__).with_name("openapi.json")
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 METRICS_HANDLER = web.AppKey[Handler]("metrics_handler")
 
 log = get_logger("arbiter.http")
 
 
-PING = Operation(summary="Health: 200 once the model is loaded", ok="Ready")
+PING = openapi.Operation(summary="Health: 200 once the model is loaded", ok="Ready")
 
 
 async def ping(request: web.Request) -> web.Response:
@@ -45,7 +42,7 @@ async def ping(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-MODELS = Operation(
+MODELS = openapi.Operation(
     summary="The served model (OpenAI list shape, with Arbiter's model metadata)",
     ok="Model list",
     errors=(401, 500, 503),
@@ -74,7 +71,7 @@ async def models(request: web.Request) -> web.Response:
     )
 
 
-METRICS = Operation(
+METRICS = openapi.Operation(
     summary="Prometheus metrics",
     ok="Prometheus text format",
     ok_bodies={"text/plain": {"type": "string"}},
@@ -87,10 +84,11 @@ async def metrics(request: web.Request) -> web.StreamResponse:
     return await request.app[METRICS_HANDLER](request)
 
 
-OPENAPI = Operation(summary="This document", ok="OpenAPI 3.1", errors=())
+API_DOCUMENT = openapi.Operation(summary="This document", ok="OpenAPI 3.1", errors=())
 
 
-async def openapi(request: web.Request) -> web.Response:
+async def api_document(request: web.Request) -> web.Response:
+    """`GET /openapi.json`: the generated document (``adapter.openapi``)."""
     return web.Response(body=request.app[STATE].openapi, content_type="application/json")
 
 
@@ -101,7 +99,7 @@ class Route:
     method: str
     path: str
     handler: Handler
-    operation: Operation
+    operation: openapi.Operation
 
 
 ROUTES = (
@@ -111,7 +109,7 @@ ROUTES = (
     Route("POST", "/v1/chat/completions", chat.chat_completions, chat.OPERATION),
     Route("GET", "/v1/models", models, MODELS),
     Route("GET", "/metrics", metrics, METRICS),
-    Route("GET", "/openapi.json", openapi, OPENAPI),
+    Route("GET", "/openapi.json", api_document, API_DOCUMENT),
     Route("POST", "/v1/systemone", systemone.systemone_route, systemone.OPERATION),
 )
 
@@ -145,7 +143,7 @@ def create_app(
         holder=EngineHolder(engine_factory),
         admission=admission,
         metrics=app_metrics,
-        openapi=OPENAPI_PATH.read_bytes(),
+        openapi=openapi.PATH.read_bytes(),
     )
     app = web.Application(
         middlewares=[middleware.errors, middleware.api_key],

@@ -1,9 +1,10 @@
-"""`arbiter serve` and `arbiter entrypoint` (the container's ENTRYPOINT). Imports stay light: the
-server and the preflight are loaded only when their command runs."""
+"""`arbiter serve`, `arbiter entrypoint` (the container's ENTRYPOINT) and `arbiter openapi`. Imports
+stay light: what a command needs is loaded only when it runs."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,17 @@ def cmd_entrypoint(args: argparse.Namespace) -> int:
     return main(args.args)
 
 
+def cmd_openapi(args: argparse.Namespace) -> int:
+    from adapter import openapi
+    from adapter.app import ROUTES
+
+    if openapi.write(ROUTES, check=args.check):
+        print(f"{openapi.PATH.name} is {'up to date' if args.check else 'written'}")
+        return 0
+    print(f"{openapi.PATH.name} is out of date: run arbiter openapi", file=sys.stderr)
+    return 1
+
+
 def register(sub: Subcommands) -> None:
     serve = sub.add_parser(
         "serve", help="run the HTTP server (SageMaker /ping + /invocations, chat, metrics)"
@@ -40,3 +52,9 @@ def register(sub: Subcommands) -> None:
         "args", nargs=argparse.REMAINDER, help="serve|work and their options (`IMAGE serve`)"
     )
     entrypoint.set_defaults(func=cmd_entrypoint)
+
+    document = sub.add_parser(
+        "openapi", help="write adapter/openapi.json from the route table and the wire models"
+    )
+    document.add_argument("--check", action="store_true", help="only fail if it is out of date")
+    document.set_defaults(func=cmd_openapi)

@@ -2,28 +2,24 @@
 
 Each route family declares its ``Operation`` beside its handler (``adapter.app.ROUTES`` pairs them);
 request and response bodies are the pydantic models that validate them, so their schemas are the
-models' own. ``python -m adapter.openapi`` rewrites ``adapter/openapi.json``, the document the app
-serves; a test regenerates it and compares, so the committed document cannot drift from the code.
+models' own. ``arbiter openapi`` rewrites ``adapter/openapi.json``, the document the app serves; a
+test regenerates it and compares, so the committed document cannot drift from the code.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from arbiter.schema import DecisionRequest, DecisionResult
 from arbiter.settings import ServerSettings
-
-if TYPE_CHECKING:
-    from adapter.app import Route
 
 PATH = Path(__file__).with_name("openapi.json")
 TITLE = "Arbiter"
@@ -149,6 +145,19 @@ class Operation:
     parameters: tuple[dict[str, Any], ...] = ()
 
 
+class Route(Protocol):
+    """What the document reads from a route of the table (``adapter.app.Route``)."""
+
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def operation(self) -> Operation: ...
+
+
 def _models(schema: Schema) -> Iterable[type[BaseModel]]:
     if isinstance(schema, AnyOf):
         for inner in schema.schemas:
@@ -231,26 +240,11 @@ def render(routes: Iterable[Route]) -> str:
     return json.dumps(document(routes), indent=2, ensure_ascii=False) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Rewrite ``adapter/openapi.json`` (``--check``: only say whether it is up to date)."""
-    from adapter.app import ROUTES
-
-    args = sys.argv[1:] if argv is None else argv
-    text = render(ROUTES)
-    if "--check" in args:
-        current = PATH.read_text(encoding="utf-8") if PATH.exists() else ""
-        if current != text:
-            print(f"{PATH.name} is out of date: run python -m adapter.openapi", file=sys.stderr)
-            return 1
-        return 0
+def write(routes: Iterable[Route], *, check: bool = False) -> bool:
+    """Rewrite ``adapter/openapi.json`` from ``routes``; with ``check``, only say whether it is
+    up to date. True when the file is (now) the generated document."""
+    text = render(routes)
+    if check:
+        return PATH.exists() and PATH.read_text(encoding="utf-8") == text
     PATH.write_text(text, encoding="utf-8")
-    print(f"wrote {PATH.name}")
-    return 0
-
-
-if __name__ == "__main__":
-    # Run as a script this file is ``__main__``, a second copy of the module: use the one the
-    # route modules imported, whose classes their operations are made of.
-    from adapter import openapi
-
-    raise SystemExit(openapi.main())
+    return True

@@ -16,6 +16,7 @@ COMMANDS = {
     "decide": "arbiter.decide",
     "serve": "adapter.cli",
     "entrypoint": "adapter.cli",
+    "openapi": "adapter.cli",
     "work": "worker.cli",
     "submit": "worker.cli",
     "local": "worker.cli",

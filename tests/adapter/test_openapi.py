@@ -10,11 +10,12 @@ from arbiter.schema import DecisionRequest
 
 
 def test_the_committed_document_is_the_generated_one() -> None:
-    """``adapter/openapi.json`` (what the app serves) is what ``python -m adapter.openapi``
-    writes from the code: a model or a route that changed without it fails here."""
+    """``adapter/openapi.json`` (what the app serves) is what ``arbiter openapi`` writes from the
+    code: a model or a route that changed without it fails here."""
     assert openapi.PATH.read_text(encoding="utf-8") == openapi.render(ROUTES), (
-        "adapter/openapi.json is out of date: run python -m adapter.openapi"
+        "adapter/openapi.json is out of date: run arbiter openapi"
     )
+    assert openapi.write(ROUTES, check=True)
 
 
 def test_the_document_has_every_route_and_the_models_own_schemas() -> None:

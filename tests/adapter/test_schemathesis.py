@@ -26,7 +26,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from adapter.app import OPENAPI_PATH, create_app
+from adapter.app import create_app
+from adapter.openapi import PATH as OPENAPI_PATH
 from arbiter.engine import Engine, Generation
 from arbiter.settings import EngineSettings, ServerSettings
 from tests.live_server import serve

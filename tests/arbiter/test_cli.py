@@ -1,4 +1,5 @@
-"""`arbiter decide` end to end: one output line per input line, errors beside results."""
+"""The `arbiter` command: `python -m arbiter` is the one way in, each command loads only its own
+package, and `arbiter decide` writes one output line per input line, errors beside results."""
 
 from __future__ import annotations
 
@@ -42,3 +43,36 @@ def test_decide_writes_one_line_per_input_line(tmp_path: Path) -> None:
     assert (
         out[3]["result"]["prompt"]["prefix_tokens"] == out[0]["result"]["prompt"]["prefix_tokens"]
     )
+
+
+def _loaded_after(code: str) -> set[str]:
+    """Top-level packages of this project that a fresh interpreter has imported after ``code``."""
+    probe = f"import sys\n{code}\nprint(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
+    return set(out) & {"arbiter", "adapter", "worker", "evaluation", "bench", "infra"}
+
+
+def test_a_command_loads_only_its_own_package() -> None:
+    """`arbiter serve` builds its parser without the worker, the evaluation or the benchmarks
+    (the old CLI imported every package, bench included, to build any command's parser)."""
+    serve = "from arbiter.cli import build_parser; build_parser('serve').parse_args(['serve'])"
+    assert _loaded_after(serve) == {"arbiter", "adapter"}
+    work = "from arbiter.cli import build_parser; build_parser('work').parse_args(['work'])"
+    assert _loaded_after(work) == {"arbiter", "worker"}
+    every = "from arbiter.cli import build_parser; build_parser()"
+    assert _loaded_after(every) == {"arbiter", "adapter", "worker", "evaluation", "bench", "infra"}
+
+
+def test_python_m_arbiter_is_the_arbiter_command() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "arbiter", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=ROOT,
+    ).stdout
+    for command in ("decide", "serve", "entrypoint", "work", "eval", "bench", "deploy"):
+        assert command in out
