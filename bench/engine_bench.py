@@ -19,8 +19,8 @@ import time
 from typing import Any
 
 from arbiter.engine import Engine, open_engine
-from bench import floor
 from bench.common import QUESTIONS, case_decision, sized_state
+from bench.floor import floor_shared, plain_pass
 
 
 def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
         request = case_decision(r, sized_state(engine, 1000 * target + r, target))
         tokens = engine.prompt_tokens(request)
         n_tokens = len(tokens)
-        _, floor_s = floor.plain_pass(engine, tokens)
+        _, floor_s = plain_pass(engine, tokens)
         started = time.perf_counter()
         outcome = engine.score([request])[0]
         elapsed = time.perf_counter() - started
@@ -62,7 +62,7 @@ def bench_shared(engine: Engine, repeats: int) -> dict[str, Any]:
             engine.score([request])
         independent_s = time.perf_counter() - started
         tokens = [engine.prompt_tokens(q) for q in requests]
-        prefix_s, suffix_s = floor.floor_shared(
+        prefix_s, suffix_s = floor_shared(
             engine, tokens[0][:prefix_len], [t[prefix_len:] for t in tokens]
         )
         if r:

@@ -18,7 +18,7 @@ from arbiter.engine import Engine
 from arbiter.models import bundled_model, smollm2_path
 from arbiter.schema import DecisionRequest, DecisionResult
 from arbiter.settings import EngineSettings
-from bench import floor
+from bench.floor import plain_pass
 
 
 def _load(path: Path) -> tuple[list[DecisionRequest], list[str]]:
@@ -42,7 +42,7 @@ def measure(model: Path, requests: list[DecisionRequest], labels: list[str]) -> 
             assert isinstance(outcome, DecisionResult), outcome
             results.append(outcome)
             tokens = engine.prompt_tokens(request)
-            _, floor_s = floor.plain_pass(engine, tokens)
+            _, floor_s = plain_pass(engine, tokens)
             floor_rates.append(len(tokens) / floor_s)
         masses = [r.allowed_mass for r in results]
         return {
