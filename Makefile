@@ -1,5 +1,5 @@
 # Two commands for a fresh machine: `make run` and `make test` (see README).
-# make test: ruff, mypy --strict on the core and the two services' packages, then pytest.
+# make test: ruff, mypy --strict on every package, then pytest.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

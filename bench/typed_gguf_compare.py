@@ -155,14 +155,15 @@ def decide(
     )
     try:
         with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as response:
-            return json.loads(response.read())
+            answer: dict[str, Any] = json.loads(response.read())
+            return answer
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:500]
         raise RuntimeError(f"typed-gguf /v1/decide answered {exc.code}: {detail}") from None
 
 
 def _top(answer: dict[str, Any]) -> str:
-    probs = answer["probabilities"]
+    probs: dict[str, float] = answer["probabilities"]
     return max(probs, key=probs.__getitem__)
 
 
@@ -222,7 +223,7 @@ def compare(engine: Any, requests: list[DecisionRequest], log: Path) -> dict[str
                 if r:
                     s_ours.append(ours_s)
                     s_theirs.append(theirs_s)
-                    prefix_tokens = results[0].prompt.prefix_tokens  # type: ignore[union-attr]
+                    prefix_tokens = results[0].prompt.prefix_tokens
                     s_agree += sum(
                         _top(raw["answers"][f"q{i}"]) == res.choice for i, res in enumerate(results)
                     )

@@ -35,7 +35,7 @@ QUESTIONS = [*CASE_QUESTIONS, "What should happen next?", "Who should be told fi
 
 
 def build_job(engine: Any, n: int, state_tokens: int) -> list[Any]:
-    decisions = []
+    decisions: list[Any] = []
     for s in range(-(-n // len(QUESTIONS))):
         state = sized_state(engine, 500_000 + s, state_tokens, whole_prompt=False)
         for q, question in enumerate(QUESTIONS):

@@ -12,7 +12,7 @@ Brier and ECE need probabilities, so they are computed over the scored items onl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +108,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def reliability_diagram(
-    curves: dict[str, tuple[Sequence[float], Sequence[bool]]], path: Path, title: str
+    curves: Mapping[str, tuple[Sequence[float], Sequence[bool]]], path: Path, title: str
 ) -> Path:
     """A reliability diagram (accuracy vs confidence per bin, one line per curve) as a PNG."""
     import matplotlib

@@ -437,7 +437,7 @@ class Runner:
             if exc.response.get("Error", {}).get("Code") in {"404", "NoSuchKey", "NotFound"}:
                 return False
             raise
-        same = found.get("Metadata", {}).get("sha256") == sha
+        same = bool(found.get("Metadata", {}).get("sha256") == sha)
         if same:
             self.log(f"s3://{head.params['Bucket']}/{head.params['Key']} already holds the archive")
         return same
