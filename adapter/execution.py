@@ -15,10 +15,19 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Literal
 
-from adapter.lines import Scorer, score_lines
+from aiohttp import web
+from pydantic import BaseModel
 
-MB = 1024 * 1024
+from adapter.openapi import JSON, Operation
+from adapter.state import STATE, State
+from arbiter.lines import score_lines
+from arbiter.logging import get_logger
+from arbiter.scorer import Scorer
+from arbiter.settings import MB
+
+log = get_logger("arbiter.http")
 MIN_PAYLOAD_MB = 1  # Batch Transform's smallest useful value (0 means "unlimited")
 MAX_PAYLOAD_MB = 100  # its largest
 BUDGET_SHARE = 0.5  # of the timeout: room for slower lines and a busier machine
@@ -77,3 +86,57 @@ def payload_mb(throughput: Throughput, timeout_s: float) -> int:
     """The largest whole number of MB that takes at most ``BUDGET_SHARE`` of ``timeout_s``."""
     fits = math.floor(timeout_s * BUDGET_SHARE / throughput.seconds_per_mb)
     return max(MIN_PAYLOAD_MB, min(MAX_PAYLOAD_MB, fits))
+
+
+class ExecutionParameters(BaseModel):
+    """What Batch Transform reads from `GET /execution-parameters` before it starts posting."""
+
+    MaxConcurrentTransforms: int
+    BatchStrategy: Literal["MULTI_RECORD"]
+    MaxPayloadInMB: int
+
+
+OPERATION = Operation(
+    summary="Batch Transform hints",
+    ok="MaxConcurrentTransforms (ARBITER_MAX_IN_FLIGHT), BatchStrategy MULTI_RECORD, and "
+    "MaxPayloadInMB: ARBITER_BATCH_MAX_PAYLOAD_MB, or sized from this machine's measured speed so "
+    "one mini-batch takes at most half of ARBITER_BATCH_INVOCATION_TIMEOUT_S",
+    ok_bodies={JSON: ExecutionParameters},
+)
+
+
+async def execution_parameters(request: web.Request) -> web.Response:
+    """`GET /execution-parameters`, measured once when no MaxPayloadInMB is configured."""
+    state = request.app[STATE]
+    s = state.settings
+    params = ExecutionParameters(
+        MaxConcurrentTransforms=s.max_in_flight,
+        BatchStrategy="MULTI_RECORD",
+        MaxPayloadInMB=s.batch_max_payload_mb or await batch_payload(state),
+    )
+    return web.json_response(params.model_dump())
+
+
+async def batch_payload(state: State) -> int:
+    """MaxPayloadInMB from this machine's measured speed, measured once under a compute slot."""
+    async with state.sizing:
+        if state.batch_payload_mb is None:
+            engine = state.holder.require()
+            async with state.admission.slot() as slot:
+                speed = await slot.run(measure, engine)
+            timeout_s = state.settings.batch_invocation_timeout_s
+            state.batch_payload_mb = payload_mb(speed, timeout_s)
+            fits = state.batch_payload_mb * speed.seconds_per_mb <= timeout_s * BUDGET_SHARE
+            (log.info if fits else log.warning)(
+                "batch_payload_sized",
+                max_payload_mb=state.batch_payload_mb,
+                seconds_per_mb=round(speed.seconds_per_mb, 1),
+                lines_per_s=round(speed.lines_per_s, 2),
+                invocation_timeout_s=timeout_s,
+                fits=fits,
+                advice=None
+                if fits
+                else "raise ModelClientConfig.InvocationsTimeoutInSeconds (at most 3600) and "
+                "ARBITER_BATCH_INVOCATION_TIMEOUT_S to match",
+            )
+        return state.batch_payload_mb

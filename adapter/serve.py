@@ -1,58 +1,33 @@
-"""`arbiter serve` (the SageMaker container's entry point) and `arbiter bench http`."""
+"""`arbiter serve`: the HTTP server on its port until SIGTERM (the SageMaker container's command)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
-from adapter.errors import ArbiterError
+from structlog.typing import FilteringBoundLogger
 
-
-def register(subparsers: Any, bench_subparsers: Any = None) -> None:
-    """Add ``serve`` to the top-level commands and ``http`` under ``bench``."""
-    serve = subparsers.add_parser(
-        "serve", help="run the HTTP server (SageMaker /ping + /invocations, chat, metrics)"
-    )
-    serve.add_argument("--host", default=None, help="interface (default ARBITER_HOST or 0.0.0.0)")
-    serve.add_argument("--port", type=int, default=None, help="port (default: env, else 8080)")
-    serve.add_argument("--model", type=Path, default=None, help="a .gguf (else ARBITER_MODEL...)")
-    serve.set_defaults(func=cmd_serve)
-
-    if bench_subparsers is not None:
-        http = bench_subparsers.add_parser(
-            "http", help="HTTP overhead vs the engine, and an overload soak"
-        )
-        http.add_argument("--model", type=Path, default=None)
-        http.add_argument("--repeats", type=int, default=20, help="single-decision samples")
-        http.add_argument("--overload-s", type=float, default=20.0)
-        http.add_argument("--clients", type=int, default=32)
-        http.add_argument("--json", action="store_true", help="print JSON (last line: the summary)")
-        http.set_defaults(func=cmd_bench_http)
+from arbiter.errors import ArbiterError
+from arbiter.settings import EngineSettings, ServerSettings
 
 
-def cmd_bench_http(args: argparse.Namespace) -> int:
-    from bench.http_bench import main
-
-    return main(args)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from adapter.logging import configure, get_logger
-    from adapter.settings import from_environment
+def serve(host: str | None = None, port: int | None = None, model: Path | None = None) -> int:
+    """Read the settings (``ARBITER_*``, SageMaker's, ``SM_LLAMA_CPP_*``), configure logging, and
+    serve until SIGTERM or SIGINT; 1 when the model cannot be loaded, 2 for a refused setting."""
+    from arbiter.logging import configure, get_logger
+    from arbiter.settings import from_environment
 
     try:
         engine_settings, server_settings, unknown = from_environment()
     except ArbiterError as exc:
         print(f"arbiter serve: {exc.message}", file=sys.stderr)
         return 2
-    updates = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
+    updates = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
     server_settings = server_settings.model_copy(update=updates)
-    if args.model is not None:
-        engine_settings = engine_settings.model_copy(update={"model": args.model})
+    if model is not None:
+        engine_settings = engine_settings.model_copy(update={"model": model})
     configure(json=server_settings.log_json, level=server_settings.log_level)
     log = get_logger("arbiter.serve")
     if unknown:
@@ -64,11 +39,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(server_settings, engine_settings, log))
 
 
-async def _serve(server_settings: Any, engine_settings: Any, log: Any) -> int:
+async def _serve(
+    server_settings: ServerSettings, engine_settings: EngineSettings, log: FilteringBoundLogger
+) -> int:
     from aiohttp import web
 
-    from adapter.app import STATE, create_app
-    from adapter.engine import Engine
+    from adapter.app import create_app
+    from adapter.state import STATE
+    from arbiter.engine import Engine
 
     app = create_app(server_settings, lambda: Engine(engine_settings))
     # handler_cancellation: a client that disconnects cancels its handler, so it leaves the queue.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from adapter.errors import ArbiterError
+from arbiter.errors import ArbiterError
 
 
 @dataclass

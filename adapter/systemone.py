@@ -1,241 +1,109 @@
-"""TypeSafe System One (`POST /v1/systemone`): its wire models and the mapping onto decisions.
+"""TypeSafe System One over HTTP (`POST /v1/systemone`, and a System One body on `/invocations`).
 
-A System One request is one state and a map of questions. Each question becomes one decision over
-that state (so all of them share one prefill), and each result becomes the answer shape the official
-SDK validates strictly: every number a float, score keys as strings of integers.
+The mapping onto decisions is the core's (``arbiter.systemone``); here the body is read, every question
+is scored over the one state under the app's admission control, and the answer is written. Its
+errors are raised like any other: the middleware answers a ``SystemOneInvalid`` with 422 and
+FastAPI's ``{"detail": [...]}``. Busy and not-ready answers are the app's 503 with `Retry-After`, which
+the SDK maps to its server-error class and retries.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Annotated, Any, Literal
+import asyncio
+from datetime import UTC, datetime
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from aiohttp import web
+from pydantic import BaseModel, Field
 
-from adapter.errors import ArbiterError
-from adapter.schema import DecisionRequest, DecisionResult
-
-Text = str | dict[str, Any] | list[Any]
-ALIASES = ("jev-latest", "default")
-MAX_QUESTIONS = 256
-NOUL_DEFAULTS = {"true": "Yes", "false": "No"}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+from adapter.bodies import read_json
+from adapter.openapi import JSON, DetailMessage, HTTPValidationError, Operation
+from adapter.state import REQUEST_LOG, STATE, State
+from arbiter import jsonio, systemone
+from arbiter.engine import Engine
+from arbiter.errors import MalformedRequest
+from arbiter.scorer import Outcome
 
 
-class NoulCriteria(_Strict):
-    true: Text | None = None
-    false: Text | None = None
+class Usage(BaseModel):
+    input_tokens: int
+    output_tokens: int
 
 
-class NoulQuestion(_Strict):
-    type: Literal["noul"]
-    instructions: Text | None = None
-    criteria: NoulCriteria | None = None
+class SystemOneResponse(BaseModel):
+    model: str
+    answers: dict[str, dict[str, Any]] = Field(
+        description="noul: {type, noul}; choice: {type, choice, probabilities, confidence}; "
+        "score: {type, score, legend, probabilities, confidence}"
+    )
+    usage: Usage
 
 
-class ChoiceQuestion(_Strict):
-    type: Literal["choice"]
-    instructions: Text | None = None
-    criteria: dict[str, Text | None] = Field(min_length=2, max_length=26)
-
-    @field_validator("criteria")
-    @classmethod
-    def _names(cls, criteria: dict[str, Text | None]) -> dict[str, Text | None]:
-        for name in criteria:
-            if not name.strip():
-                raise ValueError("choice names must not be blank")
-        return criteria
-
-
-class ScoreQuestion(_Strict):
-    type: Literal["score"]
-    instructions: Text | None = None
-    criteria: list[Text] = Field(min_length=2, max_length=10)
+OPERATION = Operation(
+    summary="TypeSafe System One: questions (noul, choice, score) about one state, answered with "
+    "probabilities",
+    request={JSON: systemone.SystemOneRequest},
+    ok="Answers keyed by question id",
+    ok_bodies={JSON: SystemOneResponse},
+    errors=(401, 408, 413, 415, 422, 500, 503),
+    error_notes={
+        422: "Validation failure naming the field, or a body that is not JSON (FastAPI shape)"
+    },
+    error_bodies={401: DetailMessage, 422: HTTPValidationError},
+)
 
 
-Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
+def served_model_id(engine: Engine) -> str:
+    """The model id clients see: ``arbiter/<gguf file name without .gguf>``."""
+    name = engine.model_info.file
+    return "arbiter/" + (name[: -len(".gguf")] if name.endswith(".gguf") else name)
 
 
-class SystemOneRequest(_Strict):
-    model: str = Field(min_length=1)
-    state: Text
-    questions: dict[str, Question] = Field(min_length=1, max_length=MAX_QUESTIONS)
-
-    @field_validator("state")
-    @classmethod
-    def _state(cls, state: Text) -> Text:
-        if isinstance(state, str) and not state.strip():
-            raise ValueError("state must not be empty")
-        if not isinstance(state, str) and not state:
-            raise ValueError("state must not be an empty object or array")
-        return state
-
-
-class SystemOneInvalid(ArbiterError):
-    """A request the System One API refuses with 422 and FastAPI's ``{"detail": [...]}`` body."""
-
-    status = 422
-    type = "invalid_request_error"
-    code = "validation_error"
-
-    def __init__(self, detail: list[dict[str, Any]]) -> None:
-        first = detail[0]
-        super().__init__(first["msg"], param=".".join(str(p) for p in first["loc"][1:]) or None)
-        self.detail = detail
-
-
-def _detail(loc: list[Any], msg: str, kind: str = "value_error") -> dict[str, Any]:
-    return {"loc": ["body", *loc], "msg": msg, "type": kind}
-
-
-def parse_request(raw: Any) -> SystemOneRequest:
-    if not isinstance(raw, dict):
-        raise SystemOneInvalid([_detail([], "the body must be a JSON object", "dict_type")])
+def parse_body(body: bytes) -> Any:
+    """JSON that cannot be read is the System One API's 422 (``json_invalid``), not a 400."""
     try:
-        return SystemOneRequest.model_validate(raw)
-    except ValidationError as exc:
-        detail = []
-        for err in exc.errors(include_url=False):
-            loc = list(err["loc"])
-            # pydantic names the union member it tried ("choice"); clients only know their own path.
-            if len(loc) >= 3 and loc[0] == "questions" and loc[2] in ("noul", "choice", "score"):
-                del loc[2]
-            detail.append(_detail(loc, err["msg"], err["type"]))
-        raise SystemOneInvalid(detail) from exc
+        return jsonio.loads(body)
+    except MalformedRequest as exc:  # not JSON, not UTF-8, nested too deeply, a 5,000-digit int
+        raise systemone.SystemOneInvalid(
+            [{"loc": ["body"], "msg": f"JSON decode error: {exc.message}", "type": "json_invalid"}]
+        ) from exc
 
 
-def text(value: Text) -> str:
-    """Instructions and criteria as the model reads them: strings verbatim, JSON with key order kept."""
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+async def systemone_route(request: web.Request) -> web.Response:
+    """`POST /v1/systemone`: the TypeSafe System One API."""
+    state = request.app[STATE]
+    request[REQUEST_LOG].kind = "systemone"
+    body = await read_json(request, state.settings)
+    raw = await asyncio.to_thread(parse_body, body)
+    return await respond(request, state, raw)
 
 
-def _options(question: NoulQuestion | ChoiceQuestion | ScoreQuestion) -> list[tuple[str, str]]:
-    if isinstance(question, NoulQuestion):
-        criteria = question.criteria or NoulCriteria()
-        return [
-            (key, text(value) if value is not None else NOUL_DEFAULTS[key])
-            for key, value in (("true", criteria.true), ("false", criteria.false))
-        ]
-    if isinstance(question, ChoiceQuestion):
-        return [
-            (name, f"{name}: {text(desc)}" if desc not in (None, "") else name)  # type: ignore[arg-type]
-            for name, desc in question.criteria.items()
-        ]
-    return [(str(i), text(level)) for i, level in enumerate(question.criteria)]
+async def respond(request: web.Request, state: State, raw: Any) -> web.Response:
+    """Validate, score every question over the one state, and answer."""
+    engine = state.holder.require()
+    parsed = await asyncio.to_thread(systemone.parse_request, raw)
+    model_id = served_model_id(engine)
+    systemone.check_model(parsed.model, model_id)
+    decisions = systemone.to_decisions(parsed)
+    async with state.admission.slot() as slot:
+        outcomes: list[Outcome] = await slot.run(engine.score, decisions)
+    body = systemone.assemble(parsed, outcomes, model_id)
+    request[REQUEST_LOG].decisions = len(decisions)
+    request[REQUEST_LOG].tokens = body["usage"]["input_tokens"]
+    return web.json_response(body)
 
 
-_DEFAULT_INSTRUCTIONS = {
-    "noul": "Is the statement true for this state?",
-    "choice": "Which option fits the state best?",
-    "score": "Which level describes the state best?",
-}
-
-
-def to_decisions(request: SystemOneRequest) -> list[DecisionRequest]:
-    """One decision per question, in the request's question order; ids are the question ids."""
-    decisions = []
-    for qid, question in request.questions.items():
-        instructions = question.instructions
-        prompt = text(instructions) if instructions not in (None, "") else None
-        try:
-            decisions.append(
-                DecisionRequest.model_validate(
-                    {
-                        "id": qid or "_",
-                        "state": request.state,
-                        "question": prompt or _DEFAULT_INSTRUCTIONS[question.type],
-                        "question_type": question.type,
-                        "options": [
-                            {"id": oid, "description": desc} for oid, desc in _options(question)
-                        ],
-                    }
-                )
-            )
-        except ValidationError as exc:
-            first = exc.errors(include_url=False)[0]
-            field = "instructions" if first["loc"][:1] == ("question",) else "criteria"
-            raise SystemOneInvalid(
-                [_detail(["questions", qid, field], first["msg"], first["type"])]
-            ) from exc
-    return decisions
-
-
-def confidence(probabilities: list[float]) -> float:
-    n = len(probabilities)
-    return float(min(1.0, max(0.0, (n * max(probabilities) - 1) / (n - 1))))
-
-
-def answer(
-    question: NoulQuestion | ChoiceQuestion | ScoreQuestion, result: DecisionResult
-) -> dict[str, Any]:
-    probs = {oid: float(p) for oid, p in zip(result.option_ids, result.probabilities, strict=True)}
-    if isinstance(question, NoulQuestion):
-        return {"type": "noul", "noul": probs["true"]}
-    if isinstance(question, ChoiceQuestion):
-        return {
-            "type": "choice",
-            "choice": result.choice,
-            "probabilities": probs,
-            "confidence": confidence(result.probabilities),
-        }
-    return {
-        "type": "score",
-        "score": float(sum(int(k) * p for k, p in probs.items())),
-        "legend": {str(i): level for i, level in enumerate(question.criteria)},
-        "probabilities": probs,
-        "confidence": confidence(result.probabilities),
-    }
-
-
-def _field(param: str | None) -> str:
-    """A decision's field as the System One question names it."""
-    if param is None or param == "state":
-        return "state"
-    if param.startswith("options"):
-        return "criteria"
-    return "instructions" if param == "question" else param
-
-
-def assemble(
-    request: SystemOneRequest, outcomes: list[DecisionResult | ArbiterError], model_id: str
-) -> dict[str, Any]:
-    """The System One response, or a 422 naming the question a limit refused (a fault on the
-    server's side is raised as itself: it is not the caller's to fix)."""
-    for outcome in outcomes:
-        if isinstance(outcome, ArbiterError) and outcome.status >= 500:
-            raise outcome
-    failures = [
-        _detail(["questions", qid, _field(o.param)], o.message)
-        for qid, o in zip(request.questions, outcomes, strict=True)
-        if isinstance(o, ArbiterError)
+def models_listing(engine: Engine) -> list[dict[str, str]]:
+    """The served model and its aliases, in the shape the TypeSafe SDK's `models.list()` reads."""
+    model_id = served_model_id(engine)
+    info = engine.model_info
+    description = (
+        f"{info.description} ({info.quantization}, {info.file}, sha256 {info.sha256[:12]}) "
+        "served by Arbiter with llama.cpp"
+    )
+    # GGUF metadata carries no release date; the model file's own date is the honest stand-in.
+    release = datetime.fromtimestamp(engine.resolved.path.stat().st_mtime, UTC).date().isoformat()
+    return [
+        {"name": name, "description": description, "release_date": release}
+        for name in (model_id, *systemone.ALIASES)
     ]
-    if failures:
-        raise SystemOneInvalid(failures)
-    results = [o for o in outcomes if isinstance(o, DecisionResult)]
-    # The state prefix is prefilled once for all questions: count it once.
-    prefix = max((r.prompt.prefix_tokens for r in results), default=0)
-    input_tokens = prefix + sum(r.prompt.input_tokens - r.prompt.prefix_tokens for r in results)
-    return {
-        "model": model_id,
-        "answers": {
-            qid: answer(question, result)
-            for (qid, question), result in zip(request.questions.items(), results, strict=True)
-        },
-        "usage": {"input_tokens": input_tokens, "output_tokens": 0},
-    }
-
-
-def check_model(requested: str, served_id: str) -> None:
-    if requested not in (served_id, *ALIASES):
-        raise SystemOneInvalid(
-            [
-                _detail(
-                    ["model"],
-                    f"unknown model {requested!r}; this server serves {served_id!r} "
-                    f"(aliases: {', '.join(ALIASES)})",
-                )
-            ]
-        )

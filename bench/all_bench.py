@@ -32,20 +32,27 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from adapter.schema import DecisionRequest, DecisionResult
+from arbiter.prompt import LETTERS
+from arbiter.schema import DecisionRequest
 from bench import typed_gguf_compare
-from bench.local_servers import free_port, wait_until_ready
+from bench.common import (
+    LABELED,
+    ROOT,
+    free_port,
+    latency_pair,
+    ok,
+    shown,
+    stop,
+    wait_until_ready,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-LABELED = ROOT / "examples" / "labeled.jsonl"
 SUITES = ("engine", "http", "worker")
-LETTERS = [chr(ord("A") + i) for i in range(26)]
 
 
 # -- the registered suites ---------------------------------------------------------------------
@@ -63,7 +70,7 @@ def run_suite(suite: str, n_gpu_layers: int | None, timeout_s: float) -> dict[st
     started = time.perf_counter()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "adapter.cli", "bench", suite, "--json"],
+            [sys.executable, "-m", "arbiter", "bench", suite, "--json"],
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -92,7 +99,7 @@ def run_suite(suite: str, n_gpu_layers: int | None, timeout_s: float) -> dict[st
 
 
 def load_decisions(path: Path, limit: int | None) -> tuple[list[DecisionRequest], list[str]]:
-    from adapter.eval_tasks import load
+    from evaluation.tasks import load
 
     items = load([path])[: limit or None]
     return [i.request for i in items], [i.label for i in items]
@@ -108,27 +115,6 @@ def parse_letter(text: str, n_options: int) -> int | None:
     return None
 
 
-def _ok(outcome: object) -> DecisionResult:
-    if not isinstance(outcome, DecisionResult):
-        raise RuntimeError(f"the engine failed a benchmark decision: {outcome}")
-    return outcome
-
-
-def _p(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values) * 1000.0, q))
-
-
-def _latency_pair(ours: list[float], theirs: list[float]) -> dict[str, float]:
-    return {
-        "arbiter_p50_ms": _p(ours, 50),
-        "arbiter_p95_ms": _p(ours, 95),
-        "other_p50_ms": _p(theirs, 50),
-        "other_p95_ms": _p(theirs, 95),
-        "p50_ratio": _p(theirs, 50) / _p(ours, 50),
-        "p95_ratio": _p(theirs, 95) / _p(ours, 95),
-    }
-
-
 def decision_vs_generation(engine: Any, requests: list[DecisionRequest]) -> dict[str, Any]:
     """The decision path vs generating the letter on the same prompt tokens."""
     if not hasattr(engine, "generate"):
@@ -138,7 +124,7 @@ def decision_vs_generation(engine: Any, requests: list[DecisionRequest]) -> dict
     for request in requests:
         engine.cache.clear()
         started = time.perf_counter()
-        result = _ok(engine.score([request])[0])
+        result = ok(engine.score([request])[0])
         ours.append(time.perf_counter() - started)
         tokens = engine.prompt_tokens(request)
         started = time.perf_counter()
@@ -152,7 +138,7 @@ def decision_vs_generation(engine: Any, requests: list[DecisionRequest]) -> dict
         "decisions": len(requests),
         "parsed": parsed,
         "agreement": agree / len(requests),
-        **_latency_pair(ours, theirs),
+        **latency_pair(ours, theirs),
     }
 
 
@@ -191,12 +177,7 @@ def lcp_server(
         wait_until_ready(proc, f"{url}/v1/models", "llama_cpp.server", log, 120, 0.5)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def letters_from_top_logprobs(top: dict[str, float], n_options: int) -> list[float]:
@@ -240,7 +221,7 @@ def compare_lcp(
         for request, prompt in zip(requests, prompts, strict=True):
             engine.cache.clear()
             started = time.perf_counter()
-            result = _ok(engine.score([request])[0])
+            result = ok(engine.score([request])[0])
             ours.append(time.perf_counter() - started)
             started = time.perf_counter()
             letters = lcp_decide(url, prompt, len(request.options))
@@ -254,7 +235,7 @@ def compare_lcp(
         "no_letter_in_top20": missing,
         "agreement": agree / len(requests),
         "url_mode": "/v1/completions, max_tokens=1, logprobs=20, Arbiter's prompt text",
-        **_latency_pair(ours, theirs),
+        **latency_pair(ours, theirs),
     }
 
 
@@ -302,8 +283,8 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from adapter.engine import Engine
-    from adapter.settings import EngineSettings
+    from arbiter.engine import Engine
+    from arbiter.settings import EngineSettings
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -311,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "machine": f"{os.cpu_count()} CPUs",
         "n_gpu_layers": n_gpu if n_gpu is not None else 0,
-        "file": str(args.file),
+        "file": shown(args.file),
         "suites": [],
     }
     wanted = [s for s in available_suites() if not args.suites or s in args.suites.split(",")]
@@ -355,7 +336,7 @@ def main(args: argparse.Namespace) -> int:
     print(markdown)
     print(f"\nwrote {out / 'bench-report.md'} and {out / 'bench-report.json'}")
     if args.readme:
-        command = "arbiter bench all " + " ".join(sys.argv[3:])
+        command = _command(args)
         update_readme(Path(args.readme), markdown, command)
         print(f"updated the generated section of {args.readme}")
     return 0 if all(s["ok"] for s in report["suites"]) else 1
@@ -363,6 +344,24 @@ def main(args: argparse.Namespace) -> int:
 
 README_START = "<!-- generated by arbiter bench all: start -->"
 README_END = "<!-- generated by arbiter bench all: end -->"
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command that produced the report, as the README shows it: what was measured, with
+    paths relative to the repository (the output directory is left out)."""
+    parts = ["arbiter bench all", f"--limit {args.limit}"]
+    if args.suites:
+        parts.append(f"--suites {args.suites}")
+    if args.n_gpu_layers is not None:
+        parts.append(f"--n-gpu-layers {args.n_gpu_layers}")
+    if Path(args.file).resolve() != LABELED:
+        parts.append(f"--file {shown(args.file)}")
+    if args.model is not None:
+        parts.append(f"--model {shown(args.model)}")
+    if args.no_lcp:
+        parts.append("--no-lcp")
+    parts.append(f"--readme {shown(args.readme)}")
+    return " ".join(parts)
 
 
 def update_readme(path: Path, markdown: str, command: str) -> None:
@@ -373,20 +372,3 @@ def update_readme(path: Path, markdown: str, command: str) -> None:
         raise SystemExit(f"{path} has no '{README_START}' ... '{README_END}' section to update")
     block = f"{README_START}\n```sh\n{command}\n```\n\n{markdown}\n"
     path.write_text(text[:start] + block + text[end:])
-
-
-def register(bench_sub: Any) -> None:
-    """Add ``all`` under ``arbiter bench``."""
-    p = bench_sub.add_parser("all", help="every benchmark, plus the peer comparisons")
-    p.add_argument("--file", default=str(LABELED), help="labeled decisions for the comparisons")
-    p.add_argument("--limit", type=int, default=12, help="decisions used by the comparisons")
-    p.add_argument("--suites", default=None, help=f"comma list among {','.join(SUITES)}")
-    p.add_argument("--suite-timeout", type=float, default=1800.0, help="seconds per suite")
-    p.add_argument("--n-gpu-layers", type=int, default=None, help="layers to offload (-1: all)")
-    p.add_argument("--model", type=Path, default=None, help="a .gguf (else the default model)")
-    p.add_argument("--no-lcp", action="store_true", help="skip the llama-cpp-python server")
-    p.add_argument("--out", default="bench-out", help="directory for the report files")
-    p.add_argument(
-        "--readme", default=None, help="a README whose generated bench section to rewrite"
-    )
-    p.set_defaults(func=main)

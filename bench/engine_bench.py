@@ -18,102 +18,18 @@ import statistics
 import time
 from typing import Any
 
-import numpy as np
-
-from adapter.engine import Engine, open_engine
-from adapter.prompt import state_text
-from adapter.schema import DecisionRequest
-
-_WORDS = [
-    "customer",
-    "order",
-    "invoice",
-    "shipment",
-    "delayed",
-    "refund",
-    "account",
-    "login",
-    "password",
-    "reset",
-    "error",
-    "page",
-    "support",
-    "agent",
-    "priority",
-    "outage",
-    "payment",
-    "card",
-    "region",
-    "server",
-    "database",
-    "latency",
-    "report",
-    "user",
-    "billing",
-    "contract",
-    "renewal",
-    "seat",
-    "license",
-    "escalation",
-    "ticket",
-    "email",
-    "phone",
-    "weekend",
-    "manager",
-]
-
-
-def _state(seed: int, words: int) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
-    text = " ".join(rng.choice(_WORDS, size=words).tolist())
-    return {"case": f"C-{seed}", "tier": "enterprise", "notes": text}
-
-
-def _decision(
-    i: int, state: Any, question: str = "Which queue should handle this case?"
-) -> DecisionRequest:
-    return DecisionRequest.model_validate(
-        {
-            "id": f"d{i}",
-            "state": state,
-            "question": question,
-            "options": [
-                {"id": "access", "description": "Account access and login"},
-                {"id": "billing", "description": "Billing, invoices and refunds"},
-                {"id": "shipping", "description": "Shipping and delivery"},
-                {"id": "tech", "description": "Technical outage or error"},
-            ],
-        }
-    )
-
-
-def _sized_state(
-    engine: Engine, seed: int, target_tokens: int, *, whole_prompt: bool = True
-) -> dict[str, Any]:
-    """A state sized so that the whole prompt (or the state alone) is about ``target_tokens``."""
-
-    def count(words: int) -> int:
-        state = _state(seed, words)
-        if whole_prompt:
-            return len(engine.prompt_tokens(_decision(0, state)))
-        return len(engine.tokenize_content(state_text(state)))
-
-    words = max(4, target_tokens // 2)
-    for _ in range(30):
-        tokens = count(words)
-        if abs(tokens - target_tokens) <= 8:
-            break
-        words = max(4, int(words * target_tokens / tokens))
-    return _state(seed, words)
+from arbiter.engine import Engine, open_engine
+from bench.common import QUESTIONS, case_decision, sized_state
+from bench.floor import floor_shared, plain_pass
 
 
 def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
     ours, floor, n_tokens = [], [], 0
     for r in range(repeats + 1):
-        request = _decision(r, _sized_state(engine, 1000 * target + r, target))
+        request = case_decision(r, sized_state(engine, 1000 * target + r, target))
         tokens = engine.prompt_tokens(request)
         n_tokens = len(tokens)
-        _, floor_s = engine.plain_pass(tokens)
+        _, floor_s = plain_pass(engine, tokens)
         started = time.perf_counter()
         outcome = engine.score([request])[0]
         elapsed = time.perf_counter() - started
@@ -130,23 +46,11 @@ def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
     }
 
 
-QUESTIONS = [
-    "Which queue should handle this case?",
-    "Which team owns the follow-up?",
-    "What is the most likely root cause?",
-    "Where should the customer be routed?",
-    "Which specialist should review it first?",
-    "What kind of problem is described?",
-    "Which department is responsible?",
-    "Which category fits the case best?",
-]
-
-
 def bench_shared(engine: Engine, repeats: int) -> dict[str, Any]:
     grouped, independent, floors = [], [], []
     for r in range(repeats + 1):
-        state = _sized_state(engine, 77_000 + r, 400, whole_prompt=False)
-        requests = [_decision(i, state, q) for i, q in enumerate(QUESTIONS)]
+        state = sized_state(engine, 77_000 + r, 400, whole_prompt=False)
+        requests = [case_decision(i, state, q) for i, q in enumerate(QUESTIONS)]
         engine.cache.clear()
         started = time.perf_counter()
         results = engine.score(requests)
@@ -158,8 +62,8 @@ def bench_shared(engine: Engine, repeats: int) -> dict[str, Any]:
             engine.score([request])
         independent_s = time.perf_counter() - started
         tokens = [engine.prompt_tokens(q) for q in requests]
-        prefix_s, suffix_s = engine.floor_shared(
-            tokens[0][:prefix_len], [t[prefix_len:] for t in tokens]
+        prefix_s, suffix_s = floor_shared(
+            engine, tokens[0][:prefix_len], [t[prefix_len:] for t in tokens]
         )
         if r:
             grouped.append(grouped_s)
@@ -179,11 +83,11 @@ def bench_shared(engine: Engine, repeats: int) -> dict[str, Any]:
 
 def bench_memory(engine: Engine) -> dict[str, Any]:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    budget = engine.model_info.bytes + engine.kv_cache_bytes() + 400 * 1024 * 1024
+    budget = engine.model_info.bytes + engine.llama.kv_cache_bytes() + 400 * 1024 * 1024
     return {
         "peak_rss_mb": peak / 2**20,
         "gguf_mb": engine.model_info.bytes / 2**20,
-        "kv_cache_mb": engine.kv_cache_bytes() / 2**20,
+        "kv_cache_mb": engine.llama.kv_cache_bytes() / 2**20,
         "budget_mb": budget / 2**20,
         "ratio": peak / budget,
     }

@@ -1,6 +1,5 @@
-"""Figures for the README's "Failure modes": JSON Lines throughput over HTTP and Batch Transform sizing.
-
-    python -m bench.faults_bench [--lines 60] [--questions 10]
+"""`arbiter bench faults`: the README's "Failure modes" figures, JSON Lines throughput over HTTP and
+Batch Transform sizing (``--lines 60 --questions 10`` by default).
 
 Serves the default model over loopback (as `arbiter serve` would) and posts JSON Lines bodies to
 `/invocations`: independent decisions (one question per ~1 kB state) and grouped ones (``--questions``
@@ -22,8 +21,8 @@ from aiohttp import web
 
 from adapter import execution
 from adapter.app import create_app
-from adapter.engine import Engine, open_engine
-from adapter.settings import ServerSettings
+from arbiter.engine import Engine, open_engine
+from arbiter.settings import ServerSettings
 
 
 def _lines(count: int, questions: int) -> bytes:
@@ -87,11 +86,7 @@ async def _measure(engine: Engine, lines: int, questions: int) -> list[tuple[str
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--lines", type=int, default=60)
-    parser.add_argument("--questions", type=int, default=10)
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
     engine = open_engine()
     try:
         rows = asyncio.run(_measure(engine, args.lines, args.questions))
@@ -116,7 +111,3 @@ def main(argv: list[str] | None = None) -> int:
         mb = execution.payload_mb(speed, timeout_s)
         print(f"  InvocationsTimeoutInSeconds {timeout_s}: MaxPayloadInMB {mb}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -24,9 +24,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from adapter.engine import open_engine
-from adapter.schema import DecisionRequest
-from bench.local_servers import free_port
+from arbiter.engine import open_engine
+from arbiter.schema import DecisionRequest
+from bench.common import free_port
 
 
 def _decision(i: int) -> dict[str, Any]:
@@ -156,7 +156,7 @@ def main(args: argparse.Namespace) -> int:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "ARBITER_MAX_IN_FLIGHT": "1", "ARBITER_LOG_JSON": "true"}
-    cmd = [sys.executable, "-m", "adapter.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "arbiter", "serve", "--host", "127.0.0.1", "--port", str(port)]
     if args.model is not None:
         cmd += ["--model", str(args.model)]
     with open(os.devnull, "w") as sink:

@@ -14,12 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from adapter.engine import Engine
-from adapter.model_files import bundled_model, smollm2_path
-from adapter.schema import DecisionRequest, DecisionResult
-from adapter.settings import EngineSettings
-
-LABELED = Path(__file__).resolve().parent.parent / "examples" / "labeled.jsonl"
+from arbiter.engine import Engine
+from arbiter.models import bundled_model, smollm2_path
+from arbiter.schema import DecisionRequest, DecisionResult
+from arbiter.settings import EngineSettings
+from bench.floor import plain_pass
 
 
 def _load(path: Path) -> tuple[list[DecisionRequest], list[str]]:
@@ -43,7 +42,7 @@ def measure(model: Path, requests: list[DecisionRequest], labels: list[str]) -> 
             assert isinstance(outcome, DecisionResult), outcome
             results.append(outcome)
             tokens = engine.prompt_tokens(request)
-            _, floor_s = engine.plain_pass(tokens)
+            _, floor_s = plain_pass(engine, tokens)
             floor_rates.append(len(tokens) / floor_s)
         masses = [r.allowed_mass for r in results]
         return {

@@ -42,8 +42,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from adapter.schema import DecisionRequest
-from bench.local_servers import free_port, wait_until_ready
+from arbiter.schema import DecisionRequest
+from bench.common import (
+    QUESTIONS,
+    case_decision,
+    free_port,
+    latency_pair,
+    ok,
+    sized_state,
+    stop,
+    wait_until_ready,
+)
 
 START_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 120.0
@@ -113,12 +122,7 @@ def server(model: Path, log: Path) -> Iterator[tuple[str, dict[str, str]]]:
                 stderr=subprocess.STDOUT,
                 timeout=30,
             )
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         # Anything the server left in its own session (it was started in a new one).
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -151,14 +155,15 @@ def decide(
     )
     try:
         with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as response:
-            return json.loads(response.read())
+            answer: dict[str, Any] = json.loads(response.read())
+            return answer
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:500]
         raise RuntimeError(f"typed-gguf /v1/decide answered {exc.code}: {detail}") from None
 
 
 def _top(answer: dict[str, Any]) -> str:
-    probs = answer["probabilities"]
+    probs: dict[str, float] = answer["probabilities"]
     return max(probs, key=probs.__getitem__)
 
 
@@ -169,8 +174,6 @@ def _median(values: list[float]) -> float | None:
 def compare(engine: Any, requests: list[DecisionRequest], log: Path) -> dict[str, Any]:
     """Per decision and 8-questions-on-one-state latency and agreement against typed-gguf."""
     from typed_gguf.errors import TypedGgufError
-
-    from bench import all_bench, engine_bench
 
     model = Path(engine.resolved.path)
     options: dict[str, Any] = {"threads": engine.settings.n_threads}
@@ -185,7 +188,7 @@ def compare(engine: Any, requests: list[DecisionRequest], log: Path) -> dict[str
             for request in requests:
                 engine.cache.clear()
                 started = time.perf_counter()
-                result = all_bench._ok(engine.score([request])[0])
+                result = ok(engine.score([request])[0])
                 ours.append(time.perf_counter() - started)
                 started = time.perf_counter()
                 raw = decide(url, model, [request], options)
@@ -203,19 +206,16 @@ def compare(engine: Any, requests: list[DecisionRequest], log: Path) -> dict[str
                 "low_mass_answers": low_mass,
                 "prefill_reused": reused,
                 "typed_gguf_engine_total_p50_ms": _median(engine_ms),
-                **all_bench._latency_pair(ours, theirs),
+                **latency_pair(ours, theirs),
             }
 
             s_ours, s_theirs, s_agree, s_total, prefix_tokens = [], [], 0, 0, None
             for r in range(SHARED_ROUNDS + 1):  # round 0 warms up
-                state = engine_bench._sized_state(engine, 77_000 + r, 400, whole_prompt=False)
-                batch = [
-                    engine_bench._decision(i, state, q)
-                    for i, q in enumerate(engine_bench.QUESTIONS)
-                ]
+                state = sized_state(engine, 77_000 + r, 400, whole_prompt=False)
+                batch = [case_decision(i, state, q) for i, q in enumerate(QUESTIONS)]
                 engine.cache.clear()
                 started = time.perf_counter()
-                results = [all_bench._ok(o) for o in engine.score(batch)]
+                results = [ok(o) for o in engine.score(batch)]
                 ours_s = time.perf_counter() - started
                 started = time.perf_counter()
                 raw = decide(url, model, batch, options)
@@ -223,18 +223,18 @@ def compare(engine: Any, requests: list[DecisionRequest], log: Path) -> dict[str
                 if r:
                     s_ours.append(ours_s)
                     s_theirs.append(theirs_s)
-                    prefix_tokens = results[0].prompt.prefix_tokens  # type: ignore[union-attr]
+                    prefix_tokens = results[0].prompt.prefix_tokens
                     s_agree += sum(
                         _top(raw["answers"][f"q{i}"]) == res.choice for i, res in enumerate(results)
                     )
                     s_total += len(results)
             shared = {
                 "rounds": SHARED_ROUNDS,
-                "questions": len(engine_bench.QUESTIONS),
+                "questions": len(QUESTIONS),
                 "state_prefix_tokens": prefix_tokens,
                 "agreement": s_agree / s_total,
                 "typed_gguf_requests": "one request with 8 questions",
-                **all_bench._latency_pair(s_ours, s_theirs),
+                **latency_pair(s_ours, s_theirs),
             }
     except (RuntimeError, OSError, KeyError, ValueError, ImportError, TypedGgufError) as exc:
         return {"skipped": f"{type(exc).__name__}: {exc}"[:300]}

@@ -25,25 +25,22 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-from adapter.settings import EngineSettings
-from bench.engine_bench import QUESTIONS as ENGINE_QUESTIONS
+from arbiter.settings import EngineSettings
+from bench.common import QUESTIONS as CASE_QUESTIONS
+from bench.common import ROOT, case_decision, sized_state
 
-QUESTIONS = [*ENGINE_QUESTIONS, "What should happen next?", "Who should be told first?"]
-ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = [*CASE_QUESTIONS, "What should happen next?", "Who should be told first?"]
 
 
 def build_job(engine: Any, n: int, state_tokens: int) -> list[Any]:
-    from bench.engine_bench import _decision, _sized_state
-
-    decisions = []
+    decisions: list[Any] = []
     for s in range(-(-n // len(QUESTIONS))):
-        state = _sized_state(engine, 500_000 + s, state_tokens, whole_prompt=False)
+        state = sized_state(engine, 500_000 + s, state_tokens, whole_prompt=False)
         for q, question in enumerate(QUESTIONS):
             if len(decisions) < n:
-                d = _decision(0, state, question)
+                d = case_decision(0, state, question)
                 decisions.append(d.model_copy(update={"id": f"s{s}-q{q}"}))
     return decisions
 
@@ -70,7 +67,7 @@ def ungrouped_path(engine: Any, decisions: list[Any]) -> float:
 
 def _start_worker(env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "adapter.cli", "work"],
+        [sys.executable, "-m", "arbiter", "work"],
         cwd=ROOT,
         env=env,
         stderr=subprocess.PIPE,
@@ -216,7 +213,7 @@ async def measure(
 
 
 def main(args: argparse.Namespace) -> int:
-    from adapter.engine import open_engine
+    from arbiter.engine import open_engine
 
     settings = EngineSettings()
     threads = settings.n_threads

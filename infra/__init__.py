@@ -1,1 +1,2 @@
-"""Deployment as code: CloudFormation templates (``infra/cloudformation``) and `arbiter deploy`."""
+"""Deployment as code: CloudFormation templates (``infra/cloudformation``), `arbiter deploy` and
+`arbiter package-model`."""

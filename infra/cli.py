@@ -1,6 +1,6 @@
 """`arbiter package-model` and `arbiter deploy`.
 
-Imports stay light: ``adapter.cli`` imports this module to build the parser.
+Imports stay light: ``arbiter.cli`` imports this module to build the parser.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 
 def cmd_package_model(args: argparse.Namespace) -> int:
-    from adapter.model_package import PackageError, package_model
+    from infra.package_model import PackageError, package_model
 
     try:
         package = package_model(

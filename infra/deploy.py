@@ -230,7 +230,7 @@ def _model_location(config: DeployConfig) -> tuple[str, Path | None, str | None]
                 f"s3://{config.bucket}/{MODEL_PREFIX}...tar.gz (the roles read only that prefix)"
             )
         return key, None, None
-    from adapter.model_package import PackageError, read_archive_manifest
+    from infra.package_model import PackageError, read_archive_manifest
 
     path = Path(config.model)
     if not path.is_file():
@@ -437,7 +437,7 @@ class Runner:
             if exc.response.get("Error", {}).get("Code") in {"404", "NoSuchKey", "NotFound"}:
                 return False
             raise
-        same = found.get("Metadata", {}).get("sha256") == sha
+        same = bool(found.get("Metadata", {}).get("sha256") == sha)
         if same:
             self.log(f"s3://{head.params['Bucket']}/{head.params['Key']} already holds the archive")
         return same

@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 from hypothesis import settings as hypothesis_settings
 
-from adapter.engine import Engine
-from adapter.model_files import bundled_model, smollm2_path
-from adapter.schema import DecisionRequest
-from adapter.settings import EngineSettings
+from arbiter.engine import Engine
+from arbiter.models import bundled_model, smollm2_path
+from arbiter.settings import EngineSettings
 from tests.strategies import SCALE
 
 # Generated-input tests: reproducible in `make test` (derandomized, no example database), random
@@ -21,27 +20,10 @@ hypothesis_settings.register_profile("fuzz", print_blob=True)
 hypothesis_settings.load_profile("fuzz" if SCALE > 1 else "ci")
 
 
-def decision(
-    id: str = "d1",
-    state: object = "The customer cannot log in after a password reset.",
-    question: str = "Which queue should handle this ticket?",
-    options: list[tuple[str, str]] | None = None,
-) -> DecisionRequest:
-    options = options or [("access", "Account access"), ("billing", "Billing and invoices")]
-    return DecisionRequest.model_validate(
-        {
-            "id": id,
-            "state": state,
-            "question": question,
-            "options": [{"id": i, "description": d} for i, d in options],
-        }
-    )
-
-
 @pytest.fixture
 def endpoint() -> Iterator[str]:
     """moto's S3+SQS server (one per session, on 127.0.0.1), reset for each test."""
-    from tests.worker_support import moto_endpoint, reset_moto
+    from tests.aws import moto_endpoint, reset_moto
 
     ep = moto_endpoint()
     reset_moto(ep)

@@ -1,6 +1,6 @@
-"""`arbiter work`, `arbiter submit`, `arbiter local` and `arbiter bench worker`.
+"""`arbiter work`, `arbiter submit` and `arbiter local`.
 
-Imports here stay light: ``adapter.cli`` imports this module to build the parser.
+Imports here stay light: ``arbiter.cli`` imports this module to build the parser.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
 
 
 def cmd_work(args: argparse.Namespace) -> int:
-    from worker.pool import configure_logging, run_pool
+    from arbiter.logging import configure
+    from worker.pool import run_pool
 
-    configure_logging()
+    configure()
     settings = _settings(args, worker_processes=args.processes, metrics_port=args.metrics_port)
     return asyncio.run(run_pool(settings))
 
@@ -48,14 +49,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     return run_local(args)
 
 
-def cmd_bench_worker(args: argparse.Namespace) -> int:
-    from bench.worker_bench import main as bench_main
-
-    return bench_main(args)
-
-
-def register(sub: Any, bench_sub: Any | None = None) -> None:
-    """Add the worker subcommands to the ``arbiter`` parser (and ``bench worker``)."""
+def register(sub: Any) -> None:
+    """Add the worker subcommands to the ``arbiter`` parser."""
     work = sub.add_parser("work", help="run the batch worker pool (S3 jobs announced on SQS)")
     work.add_argument("--processes", type=int, default=None, help="ARBITER_WORKER_PROCESSES")
     work.add_argument("--metrics-port", type=int, default=None, help="ARBITER_METRICS_PORT")
@@ -82,22 +77,3 @@ def register(sub: Any, bench_sub: Any | None = None) -> None:
         help="once up, submit this job, print its summary and first results, keep running",
     )
     local.set_defaults(func=cmd_local)
-
-    if bench_sub is not None:
-        bench = bench_sub.add_parser(
-            "worker", help="end-to-end job throughput vs the engine alone, grouped vs ungrouped"
-        )
-        bench.add_argument("--decisions", type=int, default=1000, help="job size (10 per state)")
-        bench.add_argument(
-            "--ungrouped",
-            type=int,
-            default=100,
-            help="sampled decisions scored one by one, uncached",
-        )
-        bench.add_argument("--state-tokens", type=int, default=400, help="tokens per state")
-        bench.add_argument(
-            "--segments", type=int, default=5, help="turns the paths take (noise sharing)"
-        )
-        bench.add_argument("--model", type=Path, default=None)
-        bench.add_argument("--json", action="store_true", help="print JSON")
-        bench.set_defaults(func=cmd_bench_worker)

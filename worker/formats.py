@@ -21,11 +21,9 @@ import zlib
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
-from pydantic import ValidationError
-
-from adapter.errors import ArbiterError, InvalidDecision, MalformedRequest, PayloadTooLarge
-from adapter.lines import validation_error
-from adapter.schema import DecisionRequest
+from arbiter.errors import ArbiterError, MalformedRequest, PayloadTooLarge
+from arbiter.lines import validate_decision
+from arbiter.schema import DecisionRequest
 
 PIECE = 1 << 20  # bytes read from S3, or inflated from gzip, at a time
 DEFAULT_MAX_ITEM = 6 << 20  # as the adapter's largest JSON body
@@ -138,14 +136,10 @@ def decode_item(line: int, data: bytes, what: str = "line") -> Item:
 
 def validate(raw: Any) -> DecisionRequest | ArbiterError:
     """A parsed JSON value as a decision, or the typed error naming the offending field."""
-    if not isinstance(raw, dict):
-        return InvalidDecision("a decision must be a JSON object", code="invalid_type")
     try:
-        return DecisionRequest.model_validate(raw)
-    except ValidationError as exc:
-        return validation_error(exc)
-    except Exception as exc:  # a validator tripped over its input (depth, size): still this line's
-        return InvalidDecision(f"the decision cannot be validated: {type(exc).__name__}: {exc}")
+        return validate_decision(raw)
+    except ArbiterError as exc:
+        return exc
 
 
 # -- JSON Lines ------------------------------------------------------------------------------------

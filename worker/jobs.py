@@ -24,35 +24,26 @@ import socket
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 from botocore.exceptions import ClientError
 
-from adapter.errors import ArbiterError, EngineFailure
-from adapter.schema import DecisionRequest, DecisionResult, ModelInfo
+from arbiter.errors import ArbiterError, EngineFailure
+from arbiter.schema import DecisionRequest, DecisionResult
+from arbiter.scorer import Scorer
+from arbiter.settings import MB as MiB
 from worker.events import JobRef, normalize_etag
 from worker.formats import PIECE, Item, items_for
 from worker.settings import WorkerSettings
 
-MiB = 1024 * 1024
 MAX_KEY_BYTES = 1024  # S3's limit on an object key
 _MISSING = {"404", "NoSuchKey", "NotFound", "NoSuchVersion"}
 
 Runner = Callable[..., Awaitable[Any]]
-
-
-class Scorer(Protocol):
-    """What a job needs from the engine (``adapter.engine.Engine``, or a fake in tests)."""
-
-    model_info: ModelInfo
-
-    def score(
-        self, decisions: Sequence[DecisionRequest]
-    ) -> list[DecisionResult | ArbiterError]: ...
 
 
 class JobFailed(Exception):

@@ -128,11 +128,9 @@ def _spawn(args: argparse.Namespace, env: dict[str, str]) -> list[subprocess.Pop
         if importlib.util.find_spec("adapter.app") is None:
             print("note: `arbiter serve` is not available in this build; not started", flush=True)
         else:
-            children.append(
-                subprocess.Popen([sys.executable, "-m", "adapter.cli", "serve"], env=env)
-            )
+            children.append(subprocess.Popen([sys.executable, "-m", "arbiter", "serve"], env=env))
     if not args.no_work:
-        children.append(subprocess.Popen([sys.executable, "-m", "adapter.cli", "work"], env=env))
+        children.append(subprocess.Popen([sys.executable, "-m", "arbiter", "work"], env=env))
     return children
 
 

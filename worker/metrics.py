@@ -11,7 +11,7 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+from worker.settings import MULTIPROC_ENV
 
 
 class WorkerMetrics:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import logging
 import multiprocessing
 import os
 import shutil
@@ -29,42 +28,9 @@ from typing import Any
 
 import structlog
 
+from arbiter.logging import configure
 from worker.policies import RestartPolicy
-from worker.settings import WorkerSettings
-
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-
-
-class _StderrLogger(structlog.WriteLogger):
-    """A log line that cannot be written (stderr closed by whoever started us) is dropped: losing
-    a log line must never stop a drain or a restart."""
-
-    def msg(self, message: str) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            super().msg(message)
-
-    log = debug = info = warn = warning = fatal = failure = err = error = critical = exception = msg
-
-
-def configure_logging(level: int = logging.INFO) -> None:
-    """structlog, once per process: JSON lines on stderr (key=value on a terminal)."""
-    renderer: Any = (
-        structlog.dev.ConsoleRenderer()
-        if sys.stderr.isatty()
-        else structlog.processors.JSONRenderer()
-    )
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.format_exc_info,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=lambda *_: _StderrLogger(sys.stderr),
-        cache_logger_on_first_use=False,
-    )
+from worker.settings import MULTIPROC_ENV, WorkerSettings
 
 
 def prepare_multiprocess_dir(path: Path) -> Path:
@@ -93,7 +59,7 @@ def load_engine_factory(spec: str) -> Callable[..., Any]:
 
 def worker_main(settings_data: dict[str, Any], index: int) -> None:
     """Entry point of a worker process: engine, clients, consumer, until SIGTERM."""
-    configure_logging()
+    configure()
     structlog.contextvars.bind_contextvars(worker=index, pid=os.getpid())
     settings = WorkerSettings.model_validate(settings_data)
     try:
@@ -111,7 +77,7 @@ def worker_main(settings_data: dict[str, Any], index: int) -> None:
 async def _worker(settings: WorkerSettings) -> None:
     from aiobotocore.session import get_session
 
-    from adapter.settings import EngineSettings
+    from arbiter.settings import EngineSettings
     from worker.metrics import WorkerMetrics
     from worker.queue import Consumer, describe_queue
 

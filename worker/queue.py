@@ -28,8 +28,9 @@ from typing import Any
 
 import structlog
 
+from arbiter.scorer import Scorer
 from worker.events import Ignored, JobRef, UnreadableMessage, parse_message
-from worker.jobs import JobFailed, JobRejected, JobReport, Scorer, run_job, thread_runner
+from worker.jobs import JobFailed, JobRejected, JobReport, run_job, thread_runner
 from worker.lease import Lease
 from worker.metrics import WorkerMetrics
 from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline, ExponentialBackoff, goes_to_dlq

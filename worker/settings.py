@@ -8,17 +8,17 @@ from urllib.parse import urlsplit
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from arbiter.settings import cpu_count
+
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
-
-def _cores() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+# Where prometheus-client's multiprocess mode keeps every process's samples (the pool sets it).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class WorkerSettings(BaseSettings):
     """Where jobs come from and go to, and how the pool runs them (env prefix ``ARBITER_``).
 
-    The engine itself is configured by :class:`adapter.settings.EngineSettings` (``ARBITER_MODEL``,
+    The engine itself is configured by :class:`arbiter.settings.EngineSettings` (``ARBITER_MODEL``,
     ``ARBITER_N_CTX``, ...); the pool overrides only ``n_threads`` (cores / processes).
     """
 
@@ -53,7 +53,7 @@ class WorkerSettings(BaseSettings):
         default=None, ge=1, description="llama.cpp threads per process; unset: cores / processes."
     )
     worker_engine_factory: str = Field(
-        default="adapter.engine:open_engine",
+        default="arbiter.engine:open_engine",
         description="`module:callable` building the engine from EngineSettings (tests use a fake).",
     )
     chunk_decisions: int = Field(
@@ -139,7 +139,7 @@ class WorkerSettings(BaseSettings):
         return self.heartbeat_s or max(0.5, self.visibility_timeout_s / 3)
 
     def threads_per_process(self) -> int:
-        return self.worker_threads or max(1, _cores() // self.worker_processes)
+        return self.worker_threads or max(1, cpu_count() // self.worker_processes)
 
     def client_kwargs(self) -> dict[str, str]:
         """aiobotocore client arguments. A loopback endpoint (moto) with no credentials in the

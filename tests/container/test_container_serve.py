@@ -154,7 +154,7 @@ def test_the_server_is_pid_1_and_not_root(served: Container):
     uids = next(line.split()[1:] for line in status.splitlines() if line.startswith("Uid:"))
     assert set(uids) == {str(IMAGE_UID)}
     cmdline = served.exec("cat", "/proc/1/cmdline").split("\0")
-    assert cmdline[1:4] == ["-m", "adapter.cli", "serve"]
+    assert cmdline[1:4] == ["-m", "arbiter", "serve"]
 
 
 def test_sagemaker_bind_to_port_is_honoured(run_container: RunContainer, packaged_model: Path):

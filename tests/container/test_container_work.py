@@ -6,8 +6,9 @@ import gzip
 import json
 from pathlib import Path
 
+from tests.aws import aws_clients, list_keys, read_object, wait_for
 from tests.container.podman_support import STOP_GRACE_S, RunContainer, free_port, record
-from tests.worker_support import aws_clients, decision_line, list_keys, read_object, wait_for
+from tests.fakes import decision_line
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
 

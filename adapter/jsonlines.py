@@ -1,0 +1,135 @@
+"""`Content-Type: application/jsonlines` on `/invocations`: one output line per input line, streamed.
+
+Lines are read without holding the model: a chunk of ``ARBITER_JSONL_CHUNK`` lines (or about
+``ARBITER_MAX_BODY_MB`` of them) is read first, then scored under a compute slot taken for that
+chunk alone, so a slow uploader never blocks other requests. Every line read gets exactly one
+record, in order (``{"line", "id", "result" | "error"}``); what stops the stream (the body limit, a
+stalled client, a fault) is written as one last error record after them, and the stream is closed
+cleanly.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from adapter.admission import Admission
+from adapter.bodies import iter_lines
+from adapter.metrics import Metrics
+from adapter.state import REQUEST_LOG, RequestLog, State
+from adapter.streaming import OPEN_STREAM, OpenStream
+from arbiter import jsonio
+from arbiter.engine import Engine
+from arbiter.errors import ArbiterError, EngineFailure, PayloadTooLarge, RequestTimeout, ServerBusy
+from arbiter.lines import score_lines
+from arbiter.logging import get_logger
+from arbiter.settings import MB, ServerSettings
+
+Batch = list[tuple[int, bytes | ArbiterError]]
+log = get_logger("arbiter.http")
+
+
+def error_record(number: int, error: ArbiterError) -> bytes:
+    return jsonio.dumps({"line": number, "id": None, "error": error.to_dict()}) + b"\n"
+
+
+def score_chunk(engine: Engine, metrics: Metrics, batch: Batch) -> tuple[bytes, int, int]:
+    """Score and serialize one chunk of lines: one output line per input line, whatever happens."""
+    try:
+        records = score_lines(engine, list(batch), metrics.observe_decision)
+    except Exception as exc:  # a fault outside any one decision: every line of the chunk says so
+        if isinstance(exc, ArbiterError):
+            failure = exc
+        else:
+            log.error("chunk_failed", error=repr(exc), exc_info=exc)
+            failure = EngineFailure(
+                f"this chunk could not be scored ({type(exc).__name__}); see the server log"
+            )
+        records = [{"line": n, "id": None, "error": failure.to_dict()} for n, _ in batch]
+    tokens = sum(r["result"]["prompt"]["input_tokens"] for r in records if "result" in r)
+    body = b"".join(jsonio.dumps(r) + b"\n" for r in records)
+    return body, len(records), tokens
+
+
+async def respond(request: web.Request, state: State) -> web.StreamResponse:
+    """One decision per line in, one result or error per line out."""
+    s = state.settings
+    if request.content_length is not None and request.content_length > s.max_jsonl_mb * MB:
+        raise PayloadTooLarge(f"the body is over {s.max_jsonl_mb:g} MB (ARBITER_MAX_JSONL_MB)")
+    engine = state.holder.require()
+    lines = LinesResponse(request, engine, state.admission, state.metrics, s, request[REQUEST_LOG])
+    return await lines.run()
+
+
+class LinesResponse:
+    """One JSON Lines request's stream: reads chunks, scores each under its own slot."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        engine: Engine,
+        admission: Admission,
+        metrics: Metrics,
+        settings: ServerSettings,
+        info: RequestLog,
+    ) -> None:
+        self.request = request
+        self.engine = engine
+        self.admission = admission
+        self.metrics = metrics
+        self.settings = settings
+        self.info = info  # the request log: decisions and tokens are added up here
+        self.number = 0  # the last line number read
+        self.response = web.StreamResponse(headers={"Content-Type": "application/jsonlines"})
+        self.stream = OpenStream(self.response, lambda e: error_record(self.number + 1, e))
+        request[OPEN_STREAM] = self.stream
+
+    async def run(self) -> web.StreamResponse:
+        s = self.settings
+        max_line = int(s.max_body_mb * MB)
+        batch: Batch = []
+        size = 0
+        try:
+            lines = iter_lines(
+                self.request.content, max_line, int(s.max_jsonl_mb * MB), s.body_read_timeout_s
+            )
+            async for line in lines:
+                self.number += 1
+                if isinstance(line, bytes) and not line.strip():
+                    continue  # blank lines carry no record (as in `arbiter decide`)
+                batch.append((self.number, line))
+                size += len(line) if isinstance(line, bytes) else 0
+                if len(batch) >= s.jsonl_chunk or size >= max_line:
+                    await self._flush(batch)
+                    batch, size = [], 0
+        except (PayloadTooLarge, RequestTimeout) as exc:
+            # Every line read so far is answered first; then the reason the stream stops.
+            if batch:
+                await self._flush(batch)
+            if not self.response.prepared:
+                raise
+            await self.stream.fail(exc)
+            return self.response
+        if batch:
+            await self._flush(batch)
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+        await self.stream.finish()
+        return self.response
+
+    async def _flush(self, batch: Batch) -> None:
+        # The first chunk is admitted like any request (a 503 before anything is sent); later
+        # chunks wait their turn, and lines that cannot get a slot in time say so one by one.
+        started = self.response.prepared
+        try:
+            async with self.admission.slot(admitted=started) as slot:
+                body, count, tokens = await slot.run(score_chunk, self.engine, self.metrics, batch)
+        except ServerBusy as exc:
+            if not started:
+                raise
+            body = b"".join(error_record(n, exc) for n, _ in batch)
+            count, tokens = len(batch), 0
+        self.info.decisions += count
+        self.info.tokens += tokens
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+        await self.response.write(body)

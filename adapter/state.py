@@ -1,0 +1,90 @@
+"""What the handlers share, under typed keys: the app's state and each request's log record.
+
+No module globals: ``create_app`` builds one ``State`` per app (tests build apps with their own
+settings, engine and metrics side by side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from adapter.admission import Admission
+from adapter.metrics import Metrics
+from arbiter.engine import Engine
+from arbiter.errors import ArbiterError, ModelNotReady
+from arbiter.logging import get_logger
+from arbiter.settings import ServerSettings
+
+log = get_logger("arbiter.http")
+
+
+class EngineHolder:
+    """Owns the engine's lifetime: loaded in a thread at start-up, closed at shutdown."""
+
+    def __init__(self, factory: Callable[[], Engine]) -> None:
+        self._factory = factory
+        self.engine: Engine | None = None
+        self.error: BaseException | None = None
+        self.loaded = asyncio.Event()
+
+    async def load(self) -> None:
+        started = time.perf_counter()
+        try:
+            self.engine = await asyncio.to_thread(self._factory)
+        except Exception as exc:
+            self.error = exc
+            log.error("model_load_failed", error=str(exc), exc_info=True)
+        else:
+            log.info(
+                "model_loaded",
+                model=self.engine.model_info.file,
+                seconds=round(time.perf_counter() - started, 3),
+            )
+        finally:
+            self.loaded.set()
+
+    def require(self) -> Engine:
+        """The engine, or the error that answers the request: 503 while it loads, the load's own
+        error after it failed."""
+        if self.engine is not None:
+            return self.engine
+        if self.error is not None:
+            raise (
+                self.error
+                if isinstance(self.error, ArbiterError)
+                else ArbiterError(f"the model failed to load: {self.error}")
+            )
+        raise ModelNotReady("the model is still loading; retry shortly", retry_after=1)
+
+
+@dataclass
+class State:
+    settings: ServerSettings
+    holder: EngineHolder
+    admission: Admission
+    metrics: Metrics
+    openapi: bytes
+    batch_payload_mb: int | None = None  # measured once (adapter.execution)
+    warming: bool = False  # /ping waits for the start-up measurement under Batch Transform
+    sizing: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass
+class RequestLog:
+    """What one request did, for its log line and metrics (filled in by the handler)."""
+
+    kind: str = "-"
+    decisions: int = 0
+    tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+STATE = web.AppKey("state", State)
+CLOSE_ENGINE = web.AppKey("close_engine", bool)
+REQUEST_LOG = web.RequestKey("request_log", RequestLog)

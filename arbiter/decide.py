@@ -1,0 +1,51 @@
+"""`arbiter decide FILE.jsonl`: score a JSON Lines file in-process, no server, one record per line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from arbiter.lines import Line, score_lines
+
+if TYPE_CHECKING:
+    Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                yield number, line
+
+
+def cmd_decide(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """Score each line of a JSONL file; print one result or error line per input line."""
+    from tqdm import tqdm
+
+    from arbiter.engine import open_engine
+
+    engine = open_engine(model=args.model)
+    lines = list(_lines(Path(args.file)))
+    failures = 0
+    with tqdm(total=len(lines), unit="decision", file=sys.stderr, disable=args.quiet) as bar:
+        for start in range(0, len(lines), args.chunk):
+            chunk: list[tuple[int, Line]] = list(lines[start : start + args.chunk])
+            for record in score_lines(engine, chunk):
+                failures += "error" in record
+                out.write(json.dumps(record) + "\n")
+            bar.update(len(chunk))
+    engine.close()
+    return 1 if failures and failures == len(lines) else 0
+
+
+def register(sub: Subcommands) -> None:
+    decide = sub.add_parser("decide", help="score a JSONL file of decisions, print JSONL results")
+    decide.add_argument("file", help="one decision {id, state, question, options} per line")
+    decide.add_argument("--model", type=Path, default=None, help="a .gguf (else ARBITER_MODEL...)")
+    decide.add_argument("--chunk", type=int, default=64, help="decisions scored per engine call")
+    decide.add_argument("--quiet", action="store_true", help="no progress bar")
+    decide.set_defaults(func=cmd_decide)

@@ -1,0 +1,209 @@
+"""The decision engine: one llama.cpp model and context, scoring decisions and generating text.
+
+A decision is read from one forward pass. The prompt is prefilled with logits requested at the final
+position only; the logits of the option-letter tokens there, through a softmax, are the probabilities.
+``Engine`` is the facade every entry point uses: it owns the model's lifetime and the lock that
+serializes every use of the context. The work is done by one module per concern:
+
+- ``llama``: every ctypes call (load, tokenize, decode, KV cache, save and restore);
+- ``scoring``: grouping by state, the shared prefix, branches, readout, results;
+- ``labels``: the option-letter tokens and the option logits read from them;
+- ``generation``: chat completions; ``prefix_cache``: saved prefixes; ``ordering``: option orders;
+  ``calibration``: fitted temperatures; ``probabilities``: log-sum-exp and softmax;
+- ``backends``: llama.cpp's process-wide set-up.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from arbiter import prompt as prompts
+from arbiter.engine import ordering
+from arbiter.engine.calibration import Calibration
+from arbiter.engine.generation import Generation, generate
+from arbiter.engine.labels import Labels
+from arbiter.engine.llama import LLAMA_CPP_BUILD, LLAMA_CPP_PYTHON_VERSION, Llama
+from arbiter.engine.prefix_cache import PrefixCache
+from arbiter.engine.scoring import Prompts, Scoring
+from arbiter.errors import ContextLengthExceeded
+from arbiter.models import ResolvedModel, resolve_model, verify
+from arbiter.schema import DecisionRequest, ModelInfo
+from arbiter.scorer import Outcome
+from arbiter.settings import EngineSettings
+
+__all__ = ["Engine", "Generation", "Outcome", "open_engine"]
+
+
+class Engine:
+    """Scores decisions with one llama.cpp model and context. Thread-safe: calls are serialized."""
+
+    def __init__(self, settings: EngineSettings, resolved: ResolvedModel | None = None) -> None:
+        self.resolved = resolved or resolve_model(settings.model, settings.model_dir)
+        self.sha256 = verify(self.resolved)
+        # Serializes everything that uses the context; tokenizing runs outside it (chat prompts
+        # are tokenized before admission) under the model's own lock.
+        self._lock = threading.Lock()
+        self.llama = Llama(self.resolved.path, settings)
+        try:
+            llama = self.llama
+            self.bos_text = self.piece(llama.bos)  # "" for a model without one
+            self.eos_text = self.piece(llama.eos)
+            self.chat_template = llama.chat_template
+            if llama.chat_template:
+                layout = prompts.chat_layout(llama.chat_template, self.bos_text, self.eos_text)
+            else:
+                layout = prompts.plain_layout()
+            self.prompts = Prompts(llama, layout)
+            self.labels = Labels.of(llama)
+            self.model_info = self._model_info(settings)
+            self.calibration: Calibration | None = None
+            if settings.calibration is not None:
+                self.calibration = Calibration.load(settings.calibration)
+                self.calibration.check_model(self.sha256, self.resolved.path.name)
+        except BaseException:
+            self.llama.close()  # a model refused part-way through loading frees what it had
+            raise
+        self.settings = settings  # read at each call: a replaced one takes effect at once
+        self.cache = PrefixCache(int(settings.prefix_cache_mb * 1024 * 1024))
+        self._scoring = Scoring(llama, self.prompts, self.labels, self.sha256, self.model_info)
+
+    @property
+    def n_ctx(self) -> int:
+        return self.llama.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return self.llama.n_vocab
+
+    @property
+    def layout(self) -> prompts.PromptLayout:
+        return self.prompts.layout
+
+    def _model_info(self, settings: EngineSettings) -> ModelInfo:
+        return ModelInfo(
+            file=self.resolved.path.name,
+            bytes=self.resolved.path.stat().st_size,
+            sha256=self.sha256,
+            architecture=self.llama.meta("general.architecture") or "unknown",
+            quantization=self.llama.quantization(),
+            description=self.llama.description(),
+            context_tokens=self.llama.n_ctx,
+            threads=settings.n_threads,
+            n_gpu_layers=settings.n_gpu_layers,
+            chat_template=self.prompts.layout.chat,
+            llama_cpp_python_version=LLAMA_CPP_PYTHON_VERSION,
+            llama_cpp_build=LLAMA_CPP_BUILD,
+        )
+
+    # -- lifetime ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the context and model once no call is using them; later calls get EngineFailure."""
+        with self._lock:
+            self.llama.close()
+
+    @contextmanager
+    def session(self) -> Iterator[Llama]:
+        """The context, held exclusively, its KV cache empty on entry and emptied on exit (for
+        generation and for measurements that decode on it directly)."""
+        with self._lock:
+            self.llama.check_open()
+            with self.llama.kv_cleared():
+                yield self.llama
+
+    # -- tokens ------------------------------------------------------------------------------------
+
+    def tokenize_content(self, text: str) -> np.ndarray:
+        """Tokens of caller-written text: special-token text stays plain text."""
+        return self.llama.tokenize(text, special=False)
+
+    def piece(self, token: int) -> str:
+        """The text of one token ("" for an id outside the vocabulary, e.g. a missing BOS)."""
+        return self.llama.piece_bytes(token, special=True).decode("utf-8", "replace")
+
+    def is_control(self, token: int) -> bool:
+        return self.llama.is_control(token)
+
+    def prompt_tokens(self, request: DecisionRequest) -> np.ndarray:
+        """The full prompt of one decision, as scored."""
+        return self.prompts.tokens(self.prompts.render(request))
+
+    def render_text(self, request: DecisionRequest) -> str:
+        return self.prompts.text(request)
+
+    def encode_segments(self, segments: Sequence[tuple[str, bool]]) -> np.ndarray:
+        """Tokens of a rendered chat prompt given as (text, is_template) pieces, in order.
+
+        Template text is tokenized with special-token parsing; caller text without it, so a
+        message can never inject a control token. BOS is added if the model wants one and the
+        template did not write it.
+        """
+        llama = self.llama
+        parts = [llama.tokenize(text, special=special) for text, special in segments if text]
+        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        if llama.add_bos and (len(tokens) == 0 or tokens[0] != llama.bos):
+            tokens = np.concatenate([np.array([llama.bos], dtype=np.int32), tokens])
+        return tokens.astype(np.int32)
+
+    # -- decisions ---------------------------------------------------------------------------------
+
+    def score(self, decisions: Sequence[DecisionRequest]) -> list[Outcome]:
+        """Score decisions in any mix of states; outcomes come back in input order.
+
+        A decision that cannot be scored (too many options, too long, text that is not Unicode,
+        non-finite logits, any other failure of its own) becomes its typed error in its slot; the
+        others are scored regardless. ``order_samples`` expands a decision into several option
+        orders over its state (``ordering``); a calibration file sets the temperature of
+        decisions that set none (``calibration``). Raises only for the whole call: the engine is
+        closed.
+        """
+        expanded, plan = ordering.expand(decisions)
+        with self._lock:
+            self.llama.check_open()
+            outcomes = self._scoring.score(expanded, self.settings, self.cache)
+        merged = ordering.merge(decisions, outcomes, plan, self.settings.temperature)
+        if self.calibration is None:
+            return merged
+        calibration = self.calibration
+        return [calibration.apply(d, o) for d, o in zip(decisions, merged, strict=True)]
+
+    # -- text generation (chat completions) --------------------------------------------------------
+
+    def generate(
+        self,
+        tokens: np.ndarray,
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        on_text: Callable[[str], bool] | None = None,
+    ) -> Generation:
+        """Generate text after ``tokens``: greedy at temperature 0, else sampled with numpy.
+
+        ``on_text`` receives the text as it becomes final (``generation``); returning False stops
+        the generation (finish reason ``cancelled``). Blocking; serialized with scoring.
+        """
+        if len(tokens) >= self.n_ctx:
+            raise ContextLengthExceeded(
+                f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} tokens",
+                param="messages",
+            )
+        budget = min(max_tokens, self.n_ctx - len(tokens))
+        rng = np.random.default_rng(None if seed is None else seed % 2**64)
+        with self.session() as llama:
+            return generate(llama, tokens, budget, temperature, top_p, list(stop), rng, on_text)
+
+
+def open_engine(settings: EngineSettings | None = None, model: Path | None = None) -> Engine:
+    """Build an engine from the environment (or the given settings), optionally forcing a model."""
+    settings = settings or EngineSettings()
+    if model is not None:
+        settings = settings.model_copy(update={"model": model})
+    return Engine(settings)

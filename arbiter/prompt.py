@@ -1,0 +1,202 @@
+"""Prompt rendering: where the state, question and lettered options sit, which letters label them,
+and chat prompts in the model's own template.
+
+A prompt has three parts. ``head`` and ``tail`` come from the model's chat template (or are empty for a
+plain template) and are tokenized with special-token parsing; ``content`` holds everything the caller
+wrote and is tokenized *without* it, so user text can never become a control token. The content starts
+with the state, so every decision over one state shares a token prefix (see ``engine``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from arbiter.errors import InvalidDecision
+
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+PROMPT_VERSION = "arbiter-letters-v1"
+
+INSTRUCTION = (
+    "You are a careful decision maker. Read the state, then answer the question by choosing "
+    "exactly one of the lettered options. Reply with the option's letter only."
+)
+
+_SENTINEL = "\u0000ARBITER_CONTENT\u0000"
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """The fixed text around the caller's content, decided once per model."""
+
+    head: str
+    tail: str
+    content_preamble: str
+    answer_cue: str
+    version: str
+    chat: bool
+
+
+@dataclass(frozen=True)
+class RenderedContent:
+    text: str
+    state_end: int  # characters of ``text`` that belong to the shared state prefix
+
+
+def state_text(state: Any) -> str:
+    """The state as it appears in the prompt: strings verbatim, JSON compact with key order kept."""
+    if isinstance(state, str):
+        return state
+    return json.dumps(state, ensure_ascii=False, allow_nan=False)
+
+
+def plain_layout() -> PromptLayout:
+    return PromptLayout(
+        head="",
+        tail="",
+        content_preamble=INSTRUCTION + "\n\n",
+        # Measured on examples/labeled.jsonl with the default (base) model: this cue puts about
+        # twice the probability mass on the letters that a bare "Answer:" does.
+        answer_cue="\n\nAnswer: The answer is",
+        version=f"{PROMPT_VERSION}/plain",
+        chat=False,
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+@functools.lru_cache(maxsize=4)
+def compile_template(template: str) -> jinja2.Template:
+    """A model's chat template, compiled in jinja's immutable sandbox (as llama.cpp's server
+    renders it): a template can read what it is given and nothing else."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(template)
+
+
+def chat_layout(template: str, bos_token: str, eos_token: str) -> PromptLayout:
+    """Render the model's own chat template once, around a sentinel that marks the content."""
+    compiled = compile_template(template)
+
+    def render(messages: list[dict[str, str]]) -> str:
+        return compiled.render(
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+
+    preamble = ""
+    try:
+        text = render(
+            [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": _SENTINEL}]
+        )
+    except jinja2.exceptions.TemplateError:
+        # Templates without a system role: the instruction goes into the user turn.
+        text = render([{"role": "user", "content": _SENTINEL}])
+        preamble = INSTRUCTION + "\n\n"
+    if text.count(_SENTINEL) != 1:
+        raise ValueError("chat template does not place the user content exactly once")
+    head, tail = text.split(_SENTINEL)
+    return PromptLayout(
+        head=head,
+        tail=tail,
+        content_preamble=preamble,
+        answer_cue="",
+        version=f"{PROMPT_VERSION}/chat",
+        chat=True,
+    )
+
+
+def state_prefix(layout: PromptLayout, state: str) -> str:
+    """The start of the content that every question about ``state`` shares."""
+    return f"{layout.content_preamble}State:\n{state}\n\n"
+
+
+def render_content(
+    layout: PromptLayout, state: str, question: str, descriptions: list[str]
+) -> RenderedContent:
+    """The caller's part of the prompt: only letters and descriptions, never option ids."""
+    prefix = state_prefix(layout, state)
+    letters = LETTERS[: len(descriptions)]
+    lines = "\n".join(
+        f"{letter}. {text}" for letter, text in zip(letters, descriptions, strict=True)
+    )
+    reply = ", ".join(letters[:-1]) + " or " + letters[-1]
+    body = f"Question: {question}\n\nOptions:\n{lines}\n\nReply with {reply}.{layout.answer_cue}"
+    return RenderedContent(text=prefix + body, state_end=len(prefix))
+
+
+def full_text(layout: PromptLayout, content: RenderedContent) -> str:
+    return layout.head + content.text + layout.tail
+
+
+# -- chat completions ------------------------------------------------------------------------------
+
+Segments = list[tuple[str, bool]]  # (text, is_template_text)
+PLAIN_STOPS = ["\nuser:", "\nsystem:"]  # where a plain transcript's reply ends
+_MARK = "\u0000ARBITER_MESSAGE_{}\u0000"
+_MARKS = re.compile("\u0000ARBITER_MESSAGE_([0-9]+)\u0000")
+
+
+def render_chat(
+    messages: Sequence[tuple[str, str]], template: str | None, bos_text: str, eos_text: str
+) -> Segments:
+    """A chat prompt from (role, text) messages, as (text, is_template) segments ending where the
+    assistant's reply starts: the model's chat template around the messages, or, for a model
+    without one, a plain ``role: text`` transcript ending in ``assistant:``.
+
+    Message text stays apart from template text, so it is tokenized without special-token
+    parsing: a message can never become a control token. Each message enters the template as a
+    numbered mark; one pass over the rendered text splits it at the marks and checks that every
+    message is placed exactly once (linear in the text: a check per message over the whole text
+    was quadratic in the number of messages).
+    """
+    roles = [("system" if role == "developer" else role) for role, _ in messages]
+    if not template:
+        lines = [f"{role}: {text.strip()}" for role, (_, text) in zip(roles, messages, strict=True)]
+        return [("\n".join(lines) + "\nassistant:", False)]
+    try:
+        text = compile_template(template).render(
+            messages=[{"role": r, "content": _MARK.format(i)} for i, r in enumerate(roles)],
+            add_generation_prompt=True,
+            bos_token=bos_text,
+            eos_token=eos_text,
+        )
+    except jinja2.exceptions.TemplateError as exc:
+        raise InvalidDecision(
+            f"the model's chat template refused these messages: {exc}",
+            param="messages",
+            code="chat_template_error",
+        ) from exc
+    placed = [0] * len(messages)
+    segments: Segments = []
+    end = 0
+    for match in _MARKS.finditer(text):
+        index = int(match.group(1))
+        if index >= len(placed):
+            placed.append(0)  # not a mark of ours: fails the check below
+            break
+        placed[index] += 1
+        if match.start() > end:
+            segments.append((text[end : match.start()], True))
+        segments.append((messages[index][1], False))
+        end = match.end()
+    if end < len(text):
+        segments.append((text[end:], True))
+    if any(count != 1 for count in placed):
+        raise InvalidDecision(
+            "the model's chat template does not place every message exactly once",
+            param="messages",
+            code="chat_template_error",
+        )
+    return segments

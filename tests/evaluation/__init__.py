@@ -1,0 +1,1 @@
+"""`arbiter eval` and `arbiter calibrate`: task files, metrics, the commands."""

@@ -1,0 +1,1 @@
+"""Deployment: model packaging, CloudFormation templates, `arbiter deploy`, the Dockerfiles."""

@@ -1,0 +1,214 @@
+"""The CloudFormation templates: cfn-lint, then the properties moto cannot check (autoscaling,
+alarms, IAM scoping, the S3 notification) read from the templates themselves."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from arbiter.settings import EngineSettings, EntrypointSettings, ServerSettings
+from infra.deploy import CPU_INSTANCE_TYPE, GPU_INSTANCE_POOL
+from tests import ROOT
+from worker.settings import WorkerSettings
+
+TEMPLATES = ROOT / "infra" / "cloudformation"
+
+
+def load(name: str) -> dict[str, Any]:
+    from cfnlint.decode import decode
+
+    template, problems = decode(str(TEMPLATES / name))
+    assert not problems, problems
+    assert template is not None
+    return template
+
+
+@pytest.fixture(scope="module")
+def data() -> dict[str, Any]:
+    return load("data.yaml")
+
+
+@pytest.fixture(scope="module")
+def serving() -> dict[str, Any]:
+    return load("serving.yaml")
+
+
+def props(template: dict[str, Any], name: str) -> dict[str, Any]:
+    return template["Resources"][name]["Properties"]
+
+
+def statements(role: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    [policy] = role["Properties"]["Policies"]
+    return {s.get("Sid", str(i)): s for i, s in enumerate(policy["PolicyDocument"]["Statement"])}
+
+
+def actions(statement: dict[str, Any]) -> set[str]:
+    found = statement["Action"]
+    return {found} if isinstance(found, str) else set(found)
+
+
+def test_cfn_lint_is_clean():
+    result = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "cfn-lint"),
+            str(TEMPLATES / "data.yaml"),
+            str(TEMPLATES / "serving.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_templates_fit_in_a_create_stack_call():
+    for path in TEMPLATES.glob("*.yaml"):
+        assert len(path.read_bytes()) < 51_200, f"{path.name}: TemplateBody limit"
+
+
+def test_s3_notification_queue_and_redrive(data: dict[str, Any]):
+    bucket = props(data, "Bucket")
+    [notification] = bucket["NotificationConfiguration"]["QueueConfigurations"]
+    assert notification["Event"] == "s3:ObjectCreated:*"
+    assert notification["Queue"] == {"Fn::GetAtt": ["JobQueue", "Arn"]}
+    assert notification["Filter"]["S3Key"]["Rules"] == [
+        {"Name": "prefix", "Value": {"Ref": "InputPrefix"}}
+    ]
+    assert data["Resources"]["Bucket"]["DependsOn"] == "JobQueuePolicy"
+    [allow] = props(data, "JobQueuePolicy")["PolicyDocument"]["Statement"]
+    assert allow["Principal"] == {"Service": "s3.amazonaws.com"}
+    assert allow["Action"] == "sqs:SendMessage"
+    assert "aws:SourceArn" in allow["Condition"]["ArnEquals"]
+    redrive = props(data, "JobQueue")["RedrivePolicy"]
+    assert redrive["deadLetterTargetArn"] == {"Fn::GetAtt": ["DeadLetterQueue", "Arn"]}
+    assert all(v["PublicAccessBlockConfiguration"] for v in [bucket])
+
+
+def test_async_concurrency_is_the_container_bound(serving: dict[str, Any]):
+    model_env = props(serving, "Model")["PrimaryContainer"]["Environment"]
+    client = props(serving, "AsyncEndpointConfig")["AsyncInferenceConfig"]["ClientConfig"]
+    assert model_env["ARBITER_MAX_IN_FLIGHT"] == {"Ref": "MaxInFlight"}
+    assert client["MaxConcurrentInvocationsPerInstance"] == {"Ref": "MaxInFlight"}
+    output = props(serving, "AsyncEndpointConfig")["AsyncInferenceConfig"]["OutputConfig"]
+    assert {"S3OutputPath", "S3FailurePath", "NotificationConfig"} <= set(output)
+    assert set(output["NotificationConfig"]) == {"SuccessTopic", "ErrorTopic"}
+
+
+def test_async_scales_on_backlog_down_to_zero_and_back(serving: dict[str, Any]):
+    target = props(serving, "EndpointScalableTarget")
+    assert target["MinCapacity"] == {"Fn::If": ["IsAsync", 0, {"Ref": "RealtimeMinInstances"}]}
+    assert target["ScalableDimension"] == "sagemaker:variant:DesiredInstanceCount"
+    tracking = props(serving, "AsyncBacklogScaling")["TargetTrackingScalingPolicyConfiguration"]
+    assert (
+        tracking["CustomizedMetricSpecification"]["MetricName"]
+        == "ApproximateBacklogSizePerInstance"
+    )
+    alarm = props(serving, "AsyncBacklogWithoutCapacity")
+    assert alarm["MetricName"] == "HasBacklogWithoutCapacity"
+    assert alarm["AlarmActions"] == [{"Ref": "AsyncScaleFromZero"}]
+    assert serving["Resources"]["AsyncScaleFromZero"]["Condition"] == "IsAsync"
+
+
+def test_gpu_pool_and_cpu_type_match_the_deploy(serving: dict[str, Any]):
+    params = serving["Parameters"]
+    assert params["CpuInstanceType"]["Default"] == CPU_INSTANCE_TYPE
+    assert params["GpuInstanceTypes"]["Default"].split(",") == list(GPU_INSTANCE_POOL)
+    for config in ("RealtimeEndpointConfig", "AsyncEndpointConfig"):
+        [variant] = props(serving, config)["ProductionVariants"]
+        condition, pools, _none = variant["InstancePools"]["Fn::If"]
+        assert condition == "IsGpu"
+        assert [p["Priority"] for p in pools] == [1, 2, 3, 4]
+        assert [p["InstanceType"]["Fn::Select"][0] for p in pools] == [0, 1, 2, 3]
+        assert variant["InstanceType"]["Fn::If"][0] == "IsGpu"
+
+
+def test_image_pattern_refuses_tags(serving: dict[str, Any]):
+    pattern = re.compile(serving["Parameters"]["ImageUri"]["AllowedPattern"])
+    repo = "123456789012.dkr.ecr.us-east-1.amazonaws.com/arbiter"
+    assert pattern.match(f"{repo}@sha256:{'a' * 64}")
+    assert not pattern.match(f"{repo}:latest")
+    assert not pattern.match(f"{repo}@sha256:{'a' * 63}")
+
+
+def test_worker_role_is_least_privilege(serving: dict[str, Any]):
+    """Read the input prefix and the model, write the output prefix, use the queue: nothing else."""
+    granted = statements(serving["Resources"]["WorkerTaskRole"])
+    assert {sid: actions(s) for sid, s in granted.items()} == {
+        "ReadJobsAndModel": {"s3:GetObject"},
+        "WriteResults": {"s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"},
+        "ListResultsOnly": {"s3:ListBucket"},
+        "ConsumeJobs": {
+            "sqs:ReceiveMessage",
+            "sqs:DeleteMessage",
+            "sqs:ChangeMessageVisibility",
+            "sqs:GetQueueAttributes",
+            "sqs:GetQueueUrl",
+        },
+        "PoisonToDeadLetter": {"sqs:SendMessage", "sqs:GetQueueUrl"},
+    }
+    for statement in granted.values():
+        assert statement["Effect"] == "Allow"
+        assert statement["Resource"] != "*"
+    read = [r["Fn::Sub"][0] for r in granted["ReadJobsAndModel"]["Resource"]]
+    assert read == [
+        "arn:${AWS::Partition}:s3:::${Bucket}/${Prefix}*",
+        "arn:${AWS::Partition}:s3:::${Bucket}/${ModelDataKey}",
+    ]
+    input_prefix = granted["ReadJobsAndModel"]["Resource"][0]["Fn::Sub"][1]["Prefix"]
+    assert input_prefix == {"Fn::ImportValue": {"Fn::Sub": "${DataStack}-InputPrefix"}}
+    output_prefix = granted["WriteResults"]["Resource"]["Fn::Sub"][1]["Prefix"]
+    assert output_prefix == {"Fn::ImportValue": {"Fn::Sub": "${DataStack}-OutputPrefix"}}
+    assert "s3:prefix" in granted["ListResultsOnly"]["Condition"]["StringLike"]
+
+
+def test_no_wildcard_grants_beyond_the_unscopable(serving: dict[str, Any]):
+    """`Resource: "*"` only for the two actions AWS does not scope (ECR token, metric data)."""
+    for name, resource in serving["Resources"].items():
+        if resource["Type"] != "AWS::IAM::Role":
+            continue
+        for statement in statements(resource).values():
+            assert not any(a.endswith(":*") or a == "*" for a in actions(statement)), name
+            if statement["Resource"] == "*":
+                assert actions(statement) <= {
+                    "ecr:GetAuthorizationToken",
+                    "cloudwatch:PutMetricData",
+                }
+
+
+def test_worker_pool_scales_on_queue_depth_to_zero(serving: dict[str, Any]):
+    target = props(serving, "WorkerScalableTarget")
+    assert target["MinCapacity"] == 0 and target["ScalableDimension"] == "ecs:service:DesiredCount"
+    assert props(serving, "WorkerService")["DesiredCount"] == 0
+    waiting = props(serving, "WorkerJobsWaiting")
+    assert waiting["MetricName"] == "ApproximateNumberOfMessagesVisible"
+    assert waiting["AlarmActions"] == [{"Ref": "WorkerScaleOut"}]
+    idle = props(serving, "WorkerQueueIdle")
+    names = {m["MetricStat"]["Metric"]["MetricName"] for m in idle["Metrics"] if "MetricStat" in m}
+    # In-flight jobs count too: a task holding a job is never scaled away.
+    assert names == {"ApproximateNumberOfMessagesVisible", "ApproximateNumberOfMessagesNotVisible"}
+    [step] = props(serving, "WorkerScaleToZero")["StepScalingPolicyConfiguration"][
+        "StepAdjustments"
+    ]
+    assert step["ScalingAdjustment"] == 0
+    assert (
+        props(serving, "WorkerScaleToZero")["StepScalingPolicyConfiguration"]["AdjustmentType"]
+        == "ExactCapacity"
+    )
+
+
+def test_container_environment_names_real_settings(serving: dict[str, Any]):
+    """Every ARBITER_* the stack sets is a field the image reads (catches renamed settings)."""
+    known = set()
+    for settings in (WorkerSettings, EngineSettings, ServerSettings, EntrypointSettings):
+        known |= {f"ARBITER_{name.upper()}" for name in settings.model_fields}
+    [container] = props(serving, "WorkerTaskDefinition")["ContainerDefinitions"]
+    names = {e["Name"] for e in container["Environment"]}
+    names |= set(props(serving, "Model")["PrimaryContainer"]["Environment"])
+    assert names <= known, names - known
+    assert container["Command"] == ["work"]
+    assert container["StopTimeout"] == 120

@@ -1,0 +1,82 @@
+"""The layout's dependency rules, read from the source: every import, lazy ones inside functions too.
+
+The core (``arbiter/``, but for its CLI composition root) imports no entry point and no HTTP or AWS
+library; the entry points (``adapter``, ``worker``, ``evaluation``, ``infra``) import the core and
+not each other; nothing imports ``bench`` but the CLI; only the engine's ``llama`` and ``backends``
+modules touch llama.cpp.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests import ROOT
+
+CORE = "arbiter"
+ENTRY_POINTS = ("adapter", "worker", "evaluation", "infra")
+BENCH = "bench"
+COMPOSITION_ROOT = Path("arbiter/cli.py")
+HTTP_AND_AWS = ("aiohttp", "aiobotocore", "botocore", "boto3", "moto", "prometheus_client")
+LLAMA_MODULES = {Path("arbiter/engine/llama.py"), Path("arbiter/engine/backends.py")}
+
+
+def modules(package: str) -> list[Path]:
+    return sorted(p.relative_to(ROOT) for p in (ROOT / package).rglob("*.py"))
+
+
+def imported(path: Path) -> set[str]:
+    """The top-level package of everything ``path`` imports, wherever in the file."""
+    tree = ast.parse((ROOT / path).read_text(), str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return {name.split(".")[0] for name in names}
+
+
+def _violations(paths: list[Path], forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    found = {str(p): sorted(imported(p) & set(forbidden)) for p in paths}
+    return {path: names for path, names in found.items() if names}
+
+
+def test_the_core_imports_no_entry_point_and_no_http_or_aws_library() -> None:
+    core = [p for p in modules(CORE) if p != COMPOSITION_ROOT]
+    assert len(core) > 10
+    assert _violations(core, (*ENTRY_POINTS, BENCH, *HTTP_AND_AWS)) == {}
+
+
+@pytest.mark.parametrize("package", ENTRY_POINTS)
+def test_an_entry_point_imports_the_core_not_another_entry_point(package: str) -> None:
+    others = tuple(p for p in ENTRY_POINTS if p != package)
+    assert _violations(modules(package), (*others, BENCH)) == {}
+
+
+def test_the_composition_root_imports_entry_points_only_by_name_when_run() -> None:
+    """``arbiter.cli`` names each subcommand's package and imports only the one that runs."""
+    assert imported(COMPOSITION_ROOT) & {*ENTRY_POINTS, BENCH} == set()
+    from arbiter.cli import COMMANDS
+
+    packages = {module.split(".")[0] for module in COMMANDS.values()}
+    assert packages == {CORE, *ENTRY_POINTS, BENCH}
+
+
+def test_only_the_engines_llama_modules_touch_llama_cpp() -> None:
+    product = [p for package in (CORE, *ENTRY_POINTS) for p in modules(package)]
+    touching = {p for p in product if "llama_cpp" in imported(p)}
+    assert touching == LLAMA_MODULES
+
+
+def test_the_rules_see_lazy_imports(tmp_path: Path) -> None:
+    """An import inside a function counts like one at the top (the old adapter/cli.py imported
+    ``bench`` lazily and the worker imported the engine lazily)."""
+    source = ROOT / "tests" / "_layering_probe.py"
+    source.write_text("def f():\n    from bench.common import ok\n    import aiohttp.web\n")
+    try:
+        assert imported(source.relative_to(ROOT)) == {"bench", "aiohttp"}
+    finally:
+        source.unlink()

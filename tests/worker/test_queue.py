@@ -1,0 +1,130 @@
+"""Queue semantics on moto (server mode) with a fake engine: DLQ redrive, heartbeat, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from tests.aws import aws_clients, list_keys, queue_counts, receive_all, wait_for
+from tests.fakes import FakeEngine, decision_line
+from tests.worker.support import make_consumer, sample, settings_for
+from worker.stack import ensure_stack
+
+
+async def test_test_event_and_outside_prefix_are_deleted(endpoint: str) -> None:
+    settings = settings_for(endpoint)
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await ensure_stack(s3, sqs, settings)
+        await s3.put_object(Bucket="jobs", Key="incoming/notes.txt", Body=b"hello")
+        await s3.put_object(Bucket="jobs", Key="elsewhere/a.jsonl", Body=b"{}")  # not notified
+        await sqs.send_message(  # a hand-made event outside the prefix
+            QueueUrl=stack["queue_url"],
+            MessageBody=json.dumps({"bucket": "jobs", "key": "other/a.jsonl"}),
+        )
+        engine = FakeEngine()
+        consumer, registry = await make_consumer(settings, s3, sqs, engine)
+        task = asyncio.create_task(consumer.run())
+        await wait_for(lambda: _empty(sqs, stack["queue_url"]))
+        consumer.stop()
+        await asyncio.wait_for(task, 10)
+        assert await list_keys(s3, "jobs", "results/") == []
+    assert engine.calls == 0
+    # s3:TestEvent, the .txt object and the direct message outside the prefix
+    assert sample(registry, "arbiter_worker_jobs_total", outcome="ignored") == 3
+
+
+async def _empty(sqs: Any, url: str) -> bool:
+    return await queue_counts(sqs, url) == (0, 0)
+
+
+async def test_failing_job_backs_off_then_lands_in_the_dlq(endpoint: str) -> None:
+    settings = settings_for(endpoint, max_receive_count=2, visibility_timeout_s=5)
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await ensure_stack(s3, sqs, settings)
+        await s3.put_object(Bucket="jobs", Key="incoming/bad.jsonl", Body=decision_line(1).encode())
+        consumer, registry = await make_consumer(settings, s3, sqs, FakeEngine(fail=True))
+        task = asyncio.create_task(consumer.run())
+        dead = await wait_for(lambda: receive_all(sqs, stack["dlq_url"], wait=1), within_s=40)
+        consumer.stop()
+        await asyncio.wait_for(task, 10)
+        assert await queue_counts(sqs, stack["queue_url"]) == (0, 0)
+        assert await list_keys(s3, "jobs", "results/") == []
+    [message] = dead
+    assert "incoming%2Fbad.jsonl" in message["Body"] or "incoming/bad.jsonl" in message["Body"]
+    assert sample(registry, "arbiter_worker_jobs_total", outcome="failed") == 2
+    assert sample(registry, "arbiter_worker_dlq_moves_total", reason="max_receives") == 1
+
+
+async def test_unreadable_message_goes_straight_to_the_dlq(endpoint: str) -> None:
+    settings = settings_for(endpoint)
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await ensure_stack(s3, sqs, settings)
+        await sqs.send_message(QueueUrl=stack["queue_url"], MessageBody="not json at all")
+        consumer, registry = await make_consumer(settings, s3, sqs, FakeEngine())
+        task = asyncio.create_task(consumer.run())
+        dead = await wait_for(lambda: receive_all(sqs, stack["dlq_url"], wait=1))
+        consumer.stop()
+        await asyncio.wait_for(task, 10)
+    assert [m["Body"] for m in dead] == ["not json at all"]
+    assert sample(registry, "arbiter_worker_dlq_moves_total", reason="unreadable") == 1
+
+
+async def test_heartbeat_keeps_a_slow_job_invisible_until_it_is_done(endpoint: str) -> None:
+    settings = settings_for(endpoint, visibility_timeout_s=2, heartbeat_s=0.5)
+    engine = FakeEngine(delay_s=6.0)  # three times the visibility timeout
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await ensure_stack(s3, sqs, settings)
+        await receive_all(sqs, stack["queue_url"])  # drop S3's test event (it comes back later)
+        await sqs.purge_queue(QueueUrl=stack["queue_url"])
+        await s3.put_object(
+            Bucket="jobs", Key="incoming/slow.jsonl", Body=decision_line(1).encode()
+        )
+        consumer, registry = await make_consumer(settings, s3, sqs, engine)
+        task = asyncio.create_task(consumer.run())
+        await asyncio.to_thread(engine.started.wait, 10)
+        stolen = []
+        while not engine.scored:  # a second worker polls all along and must get nothing
+            stolen += await receive_all(sqs, stack["queue_url"], wait=1)
+        await wait_for(lambda: _empty(sqs, stack["queue_url"]))
+        consumer.stop()
+        await asyncio.wait_for(task, 10)
+        assert len(await list_keys(s3, "jobs", "results/")) == 2
+    assert stolen == []
+    assert sample(registry, "arbiter_worker_visibility_extensions_total") >= 6
+    assert sample(registry, "arbiter_worker_jobs_total", outcome="ok") == 1
+
+
+async def test_stop_finishes_the_job_in_hand_within_the_deadline(endpoint: str) -> None:
+    settings = settings_for(endpoint, drain_deadline_s=20)
+    engine = FakeEngine(delay_s=2.0)
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await ensure_stack(s3, sqs, settings)
+        await s3.put_object(Bucket="jobs", Key="incoming/d.jsonl", Body=decision_line(1).encode())
+        consumer, _ = await make_consumer(settings, s3, sqs, engine)
+        task = asyncio.create_task(consumer.run())
+        await asyncio.to_thread(engine.started.wait, 10)
+        consumer.stop()
+        await asyncio.wait_for(task, 15)
+        assert len(await list_keys(s3, "jobs", "results/")) == 2
+        assert await queue_counts(sqs, stack["queue_url"]) == (0, 0)
+
+
+async def test_drain_deadline_releases_the_message_at_once(endpoint: str) -> None:
+    settings = settings_for(endpoint, drain_deadline_s=0.5, visibility_timeout_s=600)
+    engine = FakeEngine(delay_s=5.0)
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await ensure_stack(s3, sqs, settings)
+        await receive_all(sqs, stack["queue_url"])
+        await sqs.purge_queue(QueueUrl=stack["queue_url"])
+        await s3.put_object(Bucket="jobs", Key="incoming/r.jsonl", Body=decision_line(1).encode())
+        consumer, _ = await make_consumer(settings, s3, sqs, engine)
+        task = asyncio.create_task(consumer.run())
+        await asyncio.to_thread(engine.started.wait, 10)
+        consumer.stop()
+        await asyncio.wait_for(task, 5)
+        # Released, not left invisible for the 600 s timeout: another worker gets it now, as a
+        # fresh message (a release is not a failed receive).
+        [again] = await receive_all(sqs, stack["queue_url"], wait=1)
+        assert again["Attributes"]["ApproximateReceiveCount"] == "1"
+        assert await list_keys(s3, "jobs", "results/") == []
