@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--model", type=Path, default=None)
     engine.add_argument("--json", action="store_true", help="print JSON (last line: the ratios)")
     engine.add_argument("--repeats", type=int, default=5)
+    engine.add_argument(
+        "--long-prompt", type=int, default=0, metavar="N", help="add a ~N-token single-decision row"
+    )
     engine.set_defaults(func=cmd_bench_engine)
     models = bench_sub.add_parser("models", help="compare the bundled candidate models")
     models.add_argument("--file", default="examples/labeled.jsonl", help="labeled decisions")

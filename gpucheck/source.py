@@ -121,8 +121,10 @@ def digest(path: Path) -> str:
 
 
 def extract(tarball: Path, dest: Path) -> Path:
-    """Unpack a trimmed tree under ``dest``; returns the tree's root (``dest/llama-src``)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(tarball, "r:gz") as tar:
-        tar.extractall(dest, filter="data")
-    return dest / "llama-src"
+    """Unpack a trimmed tree under ``dest`` (once); returns the tree's root (``dest/llama-src``)."""
+    root = dest / "llama-src"
+    if not (root / "llama_cpp" / "__init__.py").is_file():
+        dest.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(tarball, "r:gz") as tar:
+            tar.extractall(dest, filter="data")
+    return root
