@@ -196,12 +196,12 @@ def run(engine: Engine, repeats: int, long_prompt: int = 0) -> dict[str, Any]:
     report["single_600"] = bench_single(engine, 600, repeats)
     if long_prompt:
         report["single_long"] = bench_single(engine, long_prompt, repeats)
-    report["shared_8x400"] = bench_shared(engine, max(2, repeats // 2))
+    report["shared_8x400"] = bench_shared(engine, max(1, repeats // 2))
     report["memory"] = bench_memory(engine)
     # Opt-in: all questions of the state in one llama_decode (see README, Numerics).
     engine.settings = engine.settings.model_copy(update={"parallel_branches": True})
     try:
-        report["shared_8x400_parallel"] = bench_shared(engine, max(2, repeats // 2))
+        report["shared_8x400_parallel"] = bench_shared(engine, max(1, repeats // 2))
     finally:
         engine.settings = engine.settings.model_copy(update={"parallel_branches": False})
     return report

@@ -22,23 +22,23 @@ import numpy as np
 TOLERANCE = 0.5
 
 
-def _decisions(engine: Any, long_prompt: int) -> list[Any]:
+def _decisions(engine: Any, long_prompt: int, questions: int) -> list[Any]:
     from bench import engine_bench as eb
 
-    singles = [eb._decision(i, eb._sized_state(engine, 31_000 + n, n)) for i, n in
-               enumerate((150, 600, long_prompt)) if n]
+    sizes = [n for n in (150, 600, long_prompt) if n]
+    singles = [eb._decision(i, eb._sized_state(engine, 31_000 + n, n)) for i, n in enumerate(sizes)]
     state = eb._sized_state(engine, 77_000, 400, whole_prompt=False)
-    shared = [eb._decision(100 + i, state, q) for i, q in enumerate(eb.QUESTIONS)]
+    shared = [eb._decision(100 + i, state, q) for i, q in enumerate(eb.QUESTIONS[:questions])]
     return singles + shared
 
 
-def dump(out: Path, model: Path, long_prompt: int) -> dict[str, Any]:
+def dump(out: Path, model: Path, long_prompt: int, questions: int = 8) -> dict[str, Any]:
     from adapter.engine import open_engine
     from adapter.schema import DecisionResult
 
     engine = open_engine(model=model)
     try:
-        decisions = _decisions(engine, long_prompt)
+        decisions = _decisions(engine, long_prompt, questions)
         outcomes = engine.score(decisions)
         option_logits, full, tokens = [], [], []
         for request, outcome in zip(decisions, outcomes, strict=True):
@@ -77,7 +77,7 @@ def compare(a: Path, b: Path) -> dict[str, Any]:
     per_prompt = full.max(axis=1)
     top_same = (x["full"].argmax(axis=1) == y["full"].argmax(axis=1)).mean()
     return {
-        "decisions": int(len(opt)),
+        "decisions": len(opt),
         "prompt_tokens": x["tokens"].tolist(),
         "max_abs_option_logit": float(opt.max()),
         "max_abs_probability": float(np.abs(px - py).max()),
@@ -98,12 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("out", type=Path)
     d.add_argument("--model", type=Path, required=True)
     d.add_argument("--long-prompt", type=int, default=4000)
+    d.add_argument("--questions", type=int, default=8, help="questions on the shared state")
     c = sub.add_parser("compare", help="compare two dumps (reference first)")
     c.add_argument("reference", type=Path)
     c.add_argument("other", type=Path)
     args = parser.parse_args(argv)
     if args.command == "dump":
-        print(json.dumps(dump(args.out, args.model, args.long_prompt)))
+        print(json.dumps(dump(args.out, args.model, args.long_prompt, args.questions)))
     else:
         print(json.dumps(compare(args.reference, args.other)))
     return 0

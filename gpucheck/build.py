@@ -80,7 +80,9 @@ def _first(patterns: list[str]) -> str | None:
 
 def find_cuda() -> CudaLibs:
     """nvcc, and cuBLAS and libcuda where the toolkit folder lacks them; raises if no nvcc."""
-    nvcc = shutil.which("nvcc") or _first(["/usr/local/cuda/bin/nvcc", "/usr/local/cuda-*/bin/nvcc"])
+    nvcc = shutil.which("nvcc") or _first(
+        ["/usr/local/cuda/bin/nvcc", "/usr/local/cuda-*/bin/nvcc"]
+    )
     if nvcc is None:
         raise RuntimeError("no nvcc: the CUDA toolkit's compiler is needed for a CUDA build")
     toolkit = Path(nvcc).resolve().parent.parent
@@ -89,7 +91,9 @@ def find_cuda() -> CudaLibs:
     if not any((d / "libcublas.so").exists() for d in libdirs):
         roots = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
         for root in dict.fromkeys(r for r in roots if r and os.path.isdir(r)):
-            cublas = _first([f"{root}/nvidia/*/lib/libcublas.so.*", f"{root}/nvidia/lib/libcublas.so.*"])
+            cublas = _first(
+                [f"{root}/nvidia/*/lib/libcublas.so.*", f"{root}/nvidia/lib/libcublas.so.*"]
+            )
             if cublas is None:
                 continue
             libdir = os.path.dirname(cublas)

@@ -47,13 +47,14 @@ class Settings:
     """What to measure; the device's figures, or smaller ones for the 2-core rehearsal."""
 
     gpu: bool
-    repeats: int
-    long_prompt: int
+    repeats: int  # `bench engine --repeats`, cut down when the deadline comes near
+    long_prompt: int  # tokens of the long-prompt row
+    questions: int  # questions on one state in the agreement check
     budget_s: float
 
 
-DEVICE = Settings(gpu=True, repeats=5, long_prompt=4000, budget_s=plan.DEVICE_BUDGET_S)
-REHEARSAL = Settings(gpu=False, repeats=1, long_prompt=1000, budget_s=3600)
+DEVICE = Settings(gpu=True, repeats=5, long_prompt=4000, questions=8, budget_s=plan.DEVICE_BUDGET_S)
+REHEARSAL = Settings(gpu=False, repeats=1, long_prompt=1000, questions=2, budget_s=3600)
 
 
 class Stopped(Exception):
@@ -136,7 +137,8 @@ class Runner:
                 timeout=timeout,
             )
         if result.returncode != 0:
-            raise RuntimeError(f"{Path(args[0]).name} {' '.join(args[1:4])}... exited {result.returncode}")
+            what = " ".join([Path(args[0]).name, *args[1:4]])
+            raise RuntimeError(f"{what}... exited {result.returncode}")
         return result
 
     # -- stages shared by the device and the rehearsal ---------------------------------------------
@@ -214,6 +216,9 @@ class Runner:
     def bench(self, leg: str) -> str:
         gpu = leg == "gpu"
         env = self.env(gpu_layers=-1 if gpu else 0, hide_gpu=not gpu and self.settings.gpu)
+        repeats = self.settings.repeats
+        if self.left() < 240:  # a slow build left less time than planned: fewer, not none
+            repeats = min(repeats, 3 if self.left() >= 150 else 1)
         result = self.run(
             [
                 self.paths.python,
@@ -225,13 +230,14 @@ class Runner:
                 "--model",
                 str(self.paths.model),
                 "--repeats",
-                str(self.settings.repeats),
+                str(repeats),
                 "--long-prompt",
                 str(self.settings.long_prompt),
             ],
             env,
         )
         data = json.loads(result.stdout.strip().splitlines()[0])
+        data["repeats"] = repeats
         self.results["bench"][leg] = data
         return ", ".join(
             f"{k} {data[k]['engine_p50_ms']:.1f} ms"
@@ -241,8 +247,8 @@ class Runner:
 
     def agreement(self) -> str:
         """Two engine processes over the same decisions: CPU first (the reference), then GPU."""
-        work = self.paths.work
-        legs = (("cpu", 0, self.settings.gpu), ("gpu" if self.settings.gpu else "cpu2", -1 if self.settings.gpu else 0, False))
+        work, gpu = self.paths.work, self.settings.gpu
+        legs = (("cpu", 0, gpu), ("gpu", -1, False) if gpu else ("cpu-again", 0, False))
         dumps = []
         for name, layers, hide in legs:
             target = work / f"agreement-{name}.npz"
@@ -257,6 +263,8 @@ class Runner:
                     str(self.paths.model),
                     "--long-prompt",
                     str(self.settings.long_prompt),
+                    "--questions",
+                    str(self.settings.questions),
                 ],
                 self.env(gpu_layers=layers, hide_gpu=hide),
             )
@@ -266,7 +274,7 @@ class Runner:
             self.env(),
         )
         data = json.loads(result.stdout.strip().splitlines()[-1])
-        data["legs"] = "GPU vs CPU" if self.settings.gpu else "CPU vs CPU, two processes (rehearsal)"
+        data["legs"] = "GPU vs CPU" if gpu else "CPU vs CPU, two processes (rehearsal)"
         self.results["agreement"] = data
         if not data["within_tolerance"]:
             raise RuntimeError(f"option logits differ by {data['max_abs_option_logit']:.3f}")
@@ -337,9 +345,7 @@ def device(out: Path) -> int:
     def build_cuda() -> str:
         src = source.extract(paths.carry / carry.SOURCE_NAME, work / "src")
         libs = build.find_cuda()
-        times = build.build(
-            src, work / "build", paths.llama, cuda=libs, log=out / "build.log"
-        )
+        times = build.build(src, work / "build", paths.llama, cuda=libs, log=out / "build.log")
         offload = runner.run(
             [paths.python, "-c", "import llama_cpp; print(llama_cpp.llama_supports_gpu_offload())"],
             runner.env(),
@@ -347,7 +353,8 @@ def device(out: Path) -> int:
         if offload != "True":
             raise RuntimeError("the CUDA build reports no GPU offload")
         runner.results["build"] = {**times, "cuda": libs.notes, "cmake_cuda": libs.cmake_args()}
-        return f"configure {times['configure_s']:.0f} s, build {times['build_s']:.0f} s; {'; '.join(libs.notes)}"
+        took = f"configure {times['configure_s']:.0f} s, build {times['build_s']:.0f} s"
+        return "; ".join([took, *libs.notes])
 
     runner.stage("build", build_cuda, min_s=120)
     runner.checks()

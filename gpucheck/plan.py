@@ -64,7 +64,7 @@ DEVICE_IMAGE_PACKAGES = (
 # The call: one command, its limit, and what it carries. README's "GPU check" section quotes these.
 DEVICE_COMMAND = "PYTHONUNBUFFERED=1 scripts/gpu-check --device"
 DEVICE_CARRY = (".gpu-carry",)
-DEVICE_TIMEOUT_S = 570
+DEVICE_TIMEOUT_S = 540
 # The pipeline's own deadline inside that call: later stages shrink or skip to end before it, so
 # the results written so far always come back.
 DEVICE_BUDGET_S = 480

@@ -45,11 +45,14 @@ def _base_python() -> str:
     """An interpreter of the device's Python version if this machine has one, else this one."""
     major, minor = plan.DEVICE_PYTHON
     name = f"python{major}.{minor}"
-    found = shutil.which(name) or next(
-        iter(sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{major}.{minor}*/bin/{name}")))),
-        None,
+    candidates = sorted(
+        glob.glob(os.path.expanduser(f"~/.pyenv/versions/{major}.{minor}*/bin/{name}"))
     )
-    return found or getattr(sys, "_base_executable", sys.executable)
+    candidates += [found] if (found := shutil.which(name)) else []
+    for candidate in candidates:  # a pyenv shim is on PATH but may not run this version
+        if subprocess.run([candidate, "-c", "pass"], capture_output=True).returncode == 0:
+            return candidate
+    return getattr(sys, "_base_executable", sys.executable)
 
 
 def device_like_python() -> str:
@@ -107,7 +110,7 @@ def rehearse(out: Path) -> int:
     runner.stage("build", build_cpu)
     runner.checks()
     failed = runner.failed()
-    print(open(out / "gpu-check.md").read())
+    print((out / "gpu-check.md").read_text())
     print(device_call())
     print("gpu-check --rehearse: " + ("all stages ok" if not failed else f"not ok: {failed}"))
     return 1 if failed else 0

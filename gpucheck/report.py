@@ -47,9 +47,7 @@ def table(cpu: dict[str, Any] | None, gpu: dict[str, Any] | None) -> list[str]:
             f"| {name}{_tokens(cpu or gpu, key)} | {'—' if c is None else f'{c:.1f}'} | "
             f"{'—' if g is None else f'{g:.1f}'} | {ratio} |"
         )
-    lines.append(
-        f"| seed's JevBench (for comparison) | | | p50 {SEED_P50}x, p95 {SEED_P95}x |"
-    )
+    lines.append(f"| seed's JevBench (for comparison) | | | p50 {SEED_P50}x, p95 {SEED_P95}x |")
     return lines
 
 

@@ -47,6 +47,8 @@ GGML_BACKENDS_KEPT = ("ggml-cpu", "ggml-cuda")
 
 def _kept(path: str) -> bool:
     p = PurePosixPath(path)
+    if p.suffix == ".pyc" or "__pycache__" in p.parts:
+        return False
     if any(p == PurePosixPath(d) or PurePosixPath(d) in p.parents for d in DROP):
         return False
     if not any(p == PurePosixPath(k) or PurePosixPath(k) in p.parents for k in KEEP):
@@ -55,7 +57,7 @@ def _kept(path: str) -> bool:
     if ggml_src in p.parents and p.parent != ggml_src:
         backend = p.relative_to(ggml_src).parts[0]
         return backend in GGML_BACKENDS_KEPT
-    return not (p.suffix == ".pyc" or "__pycache__" in p.parts)
+    return True
 
 
 def sdist_path() -> Path:
@@ -89,9 +91,10 @@ def trim(sdist: Path, out: Path) -> dict[str, int]:
     kept = files = 0
     unpacked = 0
     buffer = io.BytesIO()
-    with tarfile.open(sdist, "r:gz") as src, tarfile.open(
-        fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT
-    ) as dst:
+    with (
+        tarfile.open(sdist, "r:gz") as src,
+        tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as dst,
+    ):
         members = sorted(src.getmembers(), key=lambda m: m.name)
         for member in members:
             if not member.isfile() or not member.name.startswith(prefix):

@@ -46,8 +46,10 @@ def _download(name: str, version: str, python: tuple[int, int], dest: Path) -> N
     )
 
 
-def _matching(folder: Path, name: str, version: str) -> list[Path]:
-    return sorted(folder.glob(f"{_normal(name)}-{version}-*.whl"))
+def _cached(cache: Path, name: str, version: str, tag: str | None) -> Path | None:
+    found = sorted(cache.glob(f"{_normal(name)}-{version}-*.whl"))
+    found = [w for w in found if tag is None or f"-{tag}-" in w.name]
+    return found[0] if found else None
 
 
 def collect(dest: Path) -> list[Path]:
@@ -58,24 +60,19 @@ def collect(dest: Path) -> list[Path]:
     chosen: list[Path] = []
     for name in plan.CARRIED_WHEELS:
         version = metadata.version(name)
-        pythons = plan.CORE_PYTHONS if name == "pydantic-core" else (plan.DEVICE_PYTHON,)
-        for python in pythons:
-            tag = f"cp{python[0]}{python[1]}"
-            found = [
-                w for w in _matching(cache, name, version) if name != "pydantic-core" or tag in w.name
-            ]
-            if not found:
+        compiled = name == "pydantic-core"
+        for python in plan.CORE_PYTHONS if compiled else (plan.DEVICE_PYTHON,):
+            tag = f"cp{python[0]}{python[1]}" if compiled else None
+            wheel = _cached(cache, name, version, tag)
+            if wheel is None:
                 _download(name, version, python, cache)
-                found = [
-                    w
-                    for w in _matching(cache, name, version)
-                    if name != "pydantic-core" or tag in w.name
-                ]
-            if not found:
-                raise RuntimeError(f"no wheel of {name}=={version} for {tag}")
-            chosen.append(found[0])
+                wheel = _cached(cache, name, version, tag)
+            if wheel is None:
+                raise RuntimeError(f"no wheel of {name}=={version} for {tag or 'any Python'}")
+            chosen.append(wheel)
+    names = {w.name for w in chosen}
     for stale in dest.glob("*.whl"):
-        if stale.name not in {w.name for w in chosen}:
+        if stale.name not in names:
             stale.unlink()
     for wheel in chosen:
         if not (dest / wheel.name).exists():
