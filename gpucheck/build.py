@@ -44,6 +44,7 @@ class CudaLibs:
     """Where cuBLAS and the driver library are, when CMake would not find them by itself."""
 
     nvcc: str
+    toolkit_libs: list[str] = field(default_factory=list)  # the toolkit's own (libcudart)
     cublas: str | None = None  # libcublas.so.N outside the toolkit (a wheel), else None
     cublas_lt: str | None = None
     include: str | None = None
@@ -66,8 +67,11 @@ class CudaLibs:
             args.append("-DGGML_CUDA_NO_VMM=ON")
         return args
 
-    def rpath(self) -> str:
-        return os.path.dirname(self.cublas) if self.cublas else ""
+    def rpath(self) -> list[str]:
+        """Folders the CUDA backend loads from at run time, written into the libraries' RPATH
+        (the device's ld.so cache may know neither the wheel's folder nor the toolkit's)."""
+        found = [os.path.dirname(p) for p in (self.cublas, self.driver) if p]
+        return list(dict.fromkeys([*found, *self.toolkit_libs]))
 
 
 def _first(patterns: list[str]) -> str | None:
@@ -87,7 +91,7 @@ def find_cuda() -> CudaLibs:
         raise RuntimeError("no nvcc: the CUDA toolkit's compiler is needed for a CUDA build")
     toolkit = Path(nvcc).resolve().parent.parent
     libdirs = [toolkit / "lib64", *toolkit.glob("targets/*/lib")]
-    libs = CudaLibs(nvcc=nvcc)
+    libs = CudaLibs(nvcc=nvcc, toolkit_libs=[str(d) for d in libdirs if d.is_dir()])
     if not any((d / "libcublas.so").exists() for d in libdirs):
         roots = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
         for root in dict.fromkeys(r for r in roots if r and os.path.isdir(r)):
@@ -152,8 +156,7 @@ def configure_args(src: Path, build: Path, cuda: CudaLibs | None) -> list[str]:
     else:
         args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={plan.CUDA_ARCHITECTURES}"]
         args += cuda.cmake_args()
-        if cuda.rpath():
-            rpath += ";" + cuda.rpath()
+        rpath = ";".join([rpath, *cuda.rpath()])
     args.append(f"-DCMAKE_INSTALL_RPATH={rpath}")
     return args
 

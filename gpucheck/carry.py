@@ -35,16 +35,18 @@ def assemble(carry: Path, real_model: Path, work: Path) -> dict[str, Any]:
     counts = source.trim(sdist, tarball)
     src = source.extract(tarball, work / f"src-{source.digest(tarball)}")
     skeleton = carry / SKELETON_NAME
-    made = json.loads(
-        subprocess.run(
-            [sys.executable, "-m", "gpucheck.skeleton", str(real_model), str(skeleton)],
-            env=_gguf_env(gguf_py_dir(src)),
-            cwd=plan.ROOT,
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-    )
+    made = _current_skeleton(carry, real_model)
+    if made is None:
+        made = json.loads(
+            subprocess.run(
+                [sys.executable, "-m", "gpucheck.skeleton", str(real_model), str(skeleton)],
+                env=_gguf_env(gguf_py_dir(src)),
+                cwd=plan.ROOT,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        )
     carried = wheels.collect(carry / WHEELS_DIR)
     manifest = {
         "llama_cpp_python": plan.LLAMA_CPP_PYTHON_VERSION,
@@ -54,6 +56,18 @@ def assemble(carry: Path, real_model: Path, work: Path) -> dict[str, Any]:
     }
     (carry / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def _current_skeleton(carry: Path, real_model: Path) -> dict[str, Any] | None:
+    """The skeleton already in ``carry``, if the manifest says it was made from this model file
+    and nothing changed it since."""
+    skeleton, manifest = carry / SKELETON_NAME, carry / MANIFEST_NAME
+    if not (skeleton.is_file() and manifest.is_file()):
+        return None
+    made = json.loads(manifest.read_text()).get("skeleton", {})
+    fresh = skeleton.stat().st_mtime >= real_model.stat().st_mtime
+    same = made.get("source") == real_model.name and made.get("bytes") == skeleton.stat().st_size
+    return {k: v for k, v in made.items() if k != "file"} if fresh and same else None
 
 
 def gguf_py_dir(src: Path) -> Path:
