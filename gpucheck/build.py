@@ -125,6 +125,22 @@ def find_cuda() -> CudaLibs:
     return libs
 
 
+def tool(name: str) -> str:
+    """``cmake`` or ``ninja``: on PATH, beside this interpreter, or from its PyPI package (the
+    device image has both as Python packages, whose scripts may not be on PATH)."""
+    found = shutil.which(name) or shutil.which(name, path=os.path.dirname(sys.executable))
+    if found:
+        return found
+    try:
+        module = __import__(name)
+        folder = getattr(module, "CMAKE_BIN_DIR", None) or getattr(module, "BIN_DIR", None)
+    except ImportError:
+        folder = None
+    if folder and os.path.exists(os.path.join(folder, name)):
+        return os.path.join(folder, name)
+    raise RuntimeError(f"no {name}: neither on PATH nor as a Python package")
+
+
 def cpu_args() -> list[str]:
     """The project's CPU flags for this machine (scripts/llama-cmake-args: no AMX, no -march)."""
     env = {k: v for k, v in os.environ.items() if k != "CMAKE_ARGS"}
@@ -141,13 +157,14 @@ def cpu_args() -> list[str]:
 def configure_args(src: Path, build: Path, cuda: CudaLibs | None) -> list[str]:
     rpath = "$ORIGIN"
     args = [
-        "cmake",
+        tool("cmake"),
         "-S",
         str(src / "vendor" / "llama.cpp"),
         "-B",
         str(build),
         "-G",
         "Ninja",
+        f"-DCMAKE_MAKE_PROGRAM={tool('ninja')}",
         *COMMON_ARGS,
         *cpu_args(),
     ]
@@ -169,23 +186,30 @@ def build(
     cuda: CudaLibs | None,
     jobs: int | None = None,
     log: Path | None = None,
+    timeout: float | None = None,
 ) -> dict[str, float]:
-    """Configure, build and lay out ``prefix/llama_cpp``; returns seconds per step."""
+    """Configure, build and lay out ``prefix/llama_cpp``; returns seconds per step. ``timeout``
+    bounds the whole (a build past the device run's deadline would leave nothing reported)."""
     jobs = jobs or os.cpu_count() or 2
     times: dict[str, float] = {}
     out = log.open("a") if log else None
     try:
-        started = time.perf_counter()
+        begun = started = time.perf_counter()
         subprocess.run(
-            configure_args(src, build_dir, cuda), check=True, stdout=out, stderr=subprocess.STDOUT
+            configure_args(src, build_dir, cuda),
+            check=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
         )
         times["configure_s"] = time.perf_counter() - started
         started = time.perf_counter()
         subprocess.run(
-            ["cmake", "--build", str(build_dir), "--target", "llama", "-j", str(jobs)],
+            [tool("cmake"), "--build", str(build_dir), "--target", "llama", "-j", str(jobs)],
             check=True,
             stdout=out,
             stderr=subprocess.STDOUT,
+            timeout=None if timeout is None else max(1.0, timeout - (started - begun)),
         )
         times["build_s"] = time.perf_counter() - started
     finally:

@@ -57,8 +57,17 @@ DEVICE = Settings(gpu=True, repeats=5, long_prompt=4000, questions=8, budget_s=p
 REHEARSAL = Settings(gpu=False, repeats=1, long_prompt=1000, questions=2, budget_s=3600)
 
 
-class Stopped(Exception):
-    """A stage that could not start: an input failed, or too little time is left."""
+def json_line(stdout: str, key: str) -> dict[str, Any]:
+    """The JSON object printed on a line of its own that has ``key`` (libraries may print too)."""
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(data, dict) and key in data:
+                return data
+    raise RuntimeError(f"no result with {key!r} in the output")
 
 
 class Runner:
@@ -177,7 +186,7 @@ class Runner:
                 ],
                 self.env(),
             )
-            made = json.loads(result.stdout.strip().splitlines()[-1])
+            made = json_line(result.stdout, "matches_real_tensor_table")
             p.model.with_suffix(".json").write_text(json.dumps(made))
         manifest = json.loads((p.carry / carry.MANIFEST_NAME).read_text())
         made["source"] = manifest["skeleton"]["source"]
@@ -236,7 +245,7 @@ class Runner:
             ],
             env,
         )
-        data = json.loads(result.stdout.strip().splitlines()[0])
+        data = json_line(result.stdout, "single_150")
         data["repeats"] = repeats
         self.results["bench"][leg] = data
         return ", ".join(
@@ -273,7 +282,7 @@ class Runner:
             [self.paths.python, "-m", "gpucheck.agreement", "compare", *map(str, dumps)],
             self.env(),
         )
-        data = json.loads(result.stdout.strip().splitlines()[-1])
+        data = json_line(result.stdout, "max_abs_option_logit")
         data["legs"] = "GPU vs CPU" if gpu else "CPU vs CPU, two processes (rehearsal)"
         self.results["agreement"] = data
         if not data["within_tolerance"]:
@@ -345,7 +354,14 @@ def device(out: Path) -> int:
     def build_cuda() -> str:
         src = source.extract(paths.carry / carry.SOURCE_NAME, work / "src")
         libs = build.find_cuda()
-        times = build.build(src, work / "build", paths.llama, cuda=libs, log=out / "build.log")
+        times = build.build(
+            src,
+            work / "build",
+            paths.llama,
+            cuda=libs,
+            log=out / "build.log",
+            timeout=runner.left() - RESERVE_S,
+        )
         offload = runner.run(
             [paths.python, "-c", "import llama_cpp; print(llama_cpp.llama_supports_gpu_offload())"],
             runner.env(),

@@ -259,3 +259,12 @@ def test_a_stage_that_would_start_too_near_the_deadline_is_skipped(tmp_path: Pat
     assert not runner.stage("bench-cpu", lambda: time.sleep(10), min_s=60)
     assert time.monotonic() - started < 5
     assert runner.results["stages"][0]["status"] == "skipped"
+
+
+def test_results_are_read_from_their_own_json_line_whatever_else_is_printed() -> None:
+    stdout = (
+        'ggml_cuda_init: found 1 CUDA devices\n{"other": 1}\n{"single_150": {"x": 2}}\n{"r": 3}\n'
+    )
+    assert pipeline.json_line(stdout, "single_150") == {"single_150": {"x": 2}}
+    with pytest.raises(RuntimeError, match="no result"):
+        pipeline.json_line("{not json\nplain text\n", "single_150")
