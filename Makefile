@@ -11,7 +11,7 @@ LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS := $(shell scripts/llama-cmake-args)
 WHEELHOUSE := $(HOME)/.cache/arbiter/wheels/$(shell echo "$(LLAMA_CPP_PYTHON) $(LLAMA_CMAKE_ARGS)" | sha256sum | cut -c1-12)
 
-.PHONY: setup run test test-container fuzz lint bench clean
+.PHONY: setup run test test-container gpu-rehearse fuzz lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,7 +33,7 @@ run: $(STAMP)
 	$(BIN)/arbiter local --submit examples/job.jsonl
 
 test: $(STAMP)
-	$(BIN)/ruff check arbiter adapter worker evaluation bench tests infra
+	$(BIN)/ruff check arbiter adapter worker evaluation bench tests infra gpucheck
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
@@ -53,6 +53,12 @@ fuzz: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/arbiter bench engine
+
+# The GPU check's rehearsal (README, "GPU check"): the device run, on a CPU build of the same trimmed
+# llama.cpp tree in a device-like Python, plus the size check of what the device call carries.
+# Caches under ~/.cache/arbiter/gpu-check make a second run quick. CI runs it after `make test`.
+gpu-rehearse: $(STAMP)
+	scripts/gpu-check --rehearse
 
 clean:
 	rm -rf $(VENV)

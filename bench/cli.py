@@ -29,6 +29,9 @@ def register(sub: Any) -> None:
     engine.add_argument("--model", type=Path, default=None)
     engine.add_argument("--json", action="store_true", help="print JSON (last line: the ratios)")
     engine.add_argument("--repeats", type=int, default=5)
+    engine.add_argument(
+        "--long-prompt", type=int, default=0, metavar="N", help="add a ~N-token single-decision row"
+    )
 
     models = suites.add_parser("models", help="compare the bundled candidate models")
     models.add_argument("--file", default="examples/labeled.jsonl", help="labeled decisions")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,15 +31,24 @@ def endpoint() -> Iterator[str]:
     yield ep
 
 
+def stand_in_model() -> Path | None:
+    """A GGUF that stands in for the bundled default in the engine tests: the GPU check
+    (gpucheck/) sets ARBITER_TEST_MODEL to a generated model of the default model's shapes and
+    types (random weights) and deselects the tests marked ``real_model``."""
+    path = os.environ.get("ARBITER_TEST_MODEL")
+    return Path(path) if path else None
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
-    return bundled_model().path
+    return stand_in_model() or bundled_model().path
 
 
 @pytest.fixture(scope="session")
 def engine() -> Iterator[Engine]:
     """The default model, as `arbiter serve` would load it with no configuration."""
-    eng = Engine(EngineSettings(model=None, model_dir=Path("/nonexistent"), n_threads=2))
+    settings = EngineSettings(model=stand_in_model(), model_dir=Path("/nonexistent"), n_threads=2)
+    eng = Engine(settings)
     yield eng
     eng.close()
 

@@ -211,6 +211,7 @@ def test_cache_off_reports_off(default_gguf: Path) -> None:
         eng.close()
 
 
+@pytest.mark.real_model
 def test_allowed_mass_is_high_on_simple_cases(engine: Engine) -> None:
     rows = [json.loads(line) for line in (EXAMPLES / "labeled.jsonl").read_text().splitlines()]
     requests = [
@@ -257,7 +258,9 @@ INJECTIONS = {
 }
 
 
-@pytest.mark.parametrize("which", ["engine", "chat_engine"])
+@pytest.mark.parametrize(
+    "which", ["engine", pytest.param("chat_engine", marks=pytest.mark.real_model)]
+)
 def test_user_text_cannot_inject_control_tokens(which: str, request: pytest.FixtureRequest) -> None:
     eng: Engine = request.getfixturevalue(which)
     attack = INJECTIONS["chatml"] + INJECTIONS["gemma"]
@@ -278,6 +281,7 @@ def test_user_text_cannot_inject_control_tokens(which: str, request: pytest.Fixt
     assert _ok(eng.score([hostile])[0]).choice in {"a", "b"}
 
 
+@pytest.mark.real_model
 def test_chat_template_model_renders_its_template(chat_engine: Engine) -> None:
     assert chat_engine.layout.chat
     text = chat_engine.render_text(decision())
@@ -287,6 +291,7 @@ def test_chat_template_model_renders_its_template(chat_engine: Engine) -> None:
     assert result.model.chat_template is True
 
 
+@pytest.mark.real_model
 def test_segment_tokenization_matches_whole_text_for_benign_content(chat_engine: Engine) -> None:
     """Tokenizing the template and the caller's content apart costs nothing on normal input."""
     for eng in (chat_engine,):

@@ -166,6 +166,7 @@ def test_an_unexpected_failure_in_one_decision_is_its_typed_error(
 # -- 3: token ids outside the vocabulary ----------------------------------------------------------
 
 
+@pytest.mark.real_model
 def test_a_model_without_bos_is_refused_or_served_never_aborts() -> None:
     """``piece(-1)`` used to throw ``std::out_of_range`` across ctypes: the process aborted."""
     result = _isolated(
@@ -240,6 +241,7 @@ def test_buffers_are_sized_for_the_outputs_read_not_n_batch(default_gguf: Path) 
 # -- 5: close is safe while calls are running -----------------------------------------------------
 
 
+@pytest.mark.real_model
 def test_close_waits_for_running_calls_and_later_calls_fail_cleanly() -> None:
     result = _isolated(
         """
