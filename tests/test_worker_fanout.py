@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from adapter.engine import Engine
 from adapter.errors import MalformedRequest, PayloadTooLarge
 from tests.fanout_support import (
     fanout_settings,
@@ -157,12 +158,52 @@ async def test_shard_boundaries_are_a_function_of_the_input(endpoint: str) -> No
     assert first.shards == second.shards and inputs_a == inputs_b
     assert sum(s.items for s in first.shards) == first.items == 70 + 4
     # A run of 5 lines of one state stays in one shard when the cut can move by 2 (a quarter of 8).
-    state = {n: json.loads(x)["state"] for n, x in enumerate(lines, 1) if x.startswith(b'{"id": "d')}
+    state = {
+        n: json.loads(x)["state"] for n, x in enumerate(lines, 1) if x.startswith(b'{"id": "d')
+    }
     for span in first.shards[1:]:
         previous = first.shards[span.index - 1]
         before, after = state.get(previous.last), state.get(span.first)
         moved_all_it_could = previous.items - 8 == 2
         assert before is None or before != after or moved_all_it_could, span
+
+
+async def test_shard_records_match_the_single_path_with_the_real_engine(
+    endpoint: str, engine: Engine
+) -> None:
+    settings = fanout_settings(endpoint, shard_lines=6, max_line_bytes=64 * 1024)
+    questions = ["Which team should handle it?", "How urgent is it?", "Refund or replace?"]
+    states = [
+        f"Ticket {s}: the customer reports problem number {s * 7} since Monday." for s in range(7)
+    ]
+    body = "\n".join(
+        decision_line(i, state=states[i // 3], question=questions[i % 3]) for i in range(21)
+    ).encode()
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await _stack(s3, sqs, settings)
+        etag = await _put(s3, "incoming/real.jsonl", body)
+        keys = outputs(settings, "incoming/real.jsonl", etag)
+        engine.cache.clear()
+        alone = stripped(await single_path(s3, settings, "incoming/real.jsonl", engine))
+        engine.cache.clear()
+        consumer, _ = await make_consumer(settings, s3, sqs, engine)
+        await run_until_done([consumer], s3, sqs, stack["queue_url"], keys.summary, within_s=240)
+        summary = json.loads(await read_object(s3, "jobs", keys.summary))
+        merged = stripped(await read_object(s3, "jobs", keys.results))
+    assert summary["shards"]["count"] == 4 and summary["ok"] == 21
+    assert summary["shards"]["prefix_reuse"]["runs_cut_by_shards"] == 0  # runs of 3 kept whole
+    assert len(merged) == len(alone) == 21
+    worst = 0.0
+    for got, want in zip(merged, alone, strict=True):
+        a, b = got.pop("result"), want.pop("result")
+        assert got == want  # line and id
+        pa, pb = a.pop("probabilities"), b.pop("probabilities")
+        worst = max(worst, *(abs(x - y) for x, y in zip(pa, pb, strict=True)))
+        for field in ("option_logits", "allowed_mass", "choice"):
+            a.pop(field), b.pop(field)
+        assert a == b  # ids, prompt (sha256, tokens), model, status: equal
+    print(f"largest probability difference, shards vs one worker: {worst:.2e}")
+    assert worst <= 1e-3
 
 
 # -- races -----------------------------------------------------------------------------------------

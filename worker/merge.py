@@ -63,7 +63,7 @@ MiB = 1024 * 1024
 S3_MIN_PART = 5 * MiB  # every part but the last (UploadPart and UploadPartCopy alike)
 S3_MAX_COPY = 5 * 1024 * MiB  # the largest part UploadPartCopy takes
 S3_MAX_PARTS = 10_000
-PART_CONCURRENCY = 4  # parts in flight: at most this many times (part size + 5 MiB) in memory
+PART_CONCURRENCY = 2  # parts in flight: at most this many times (part size + 5 MiB) in memory
 OWNER = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
@@ -392,18 +392,22 @@ class Merger:
             raise
         return Segment(spool.tell(), spool=spool)
 
-    async def _read(self, segment: Segment, piece: Piece) -> bytes:
+    async def _read_into(self, data: bytearray, segment: Segment, piece: Piece) -> None:
+        """Append the piece's bytes to ``data``, read in bounded pieces."""
+        want = piece.end - piece.start
         if segment.spool is not None:
             segment.spool.seek(piece.start)
-            return segment.spool.read(piece.end - piece.start)
+            data += segment.spool.read(want)
+            return
         got = await self.s3.get_object(
             Bucket=self.bucket, Key=segment.key, Range=f"bytes={piece.start}-{piece.end - 1}"
         )
+        before = len(data)
         async with got["Body"] as body:
-            data: bytes = await body.read()
-        if len(data) != piece.end - piece.start:
+            async for chunk in raw_chunks(body):
+                data += chunk
+        if len(data) - before != want:
             raise JobFailed(f"{segment.key} is shorter than its done marker says")
-        return data
 
     async def _put_part(
         self, key: str, upload_id: str, number: int, part: Part, segments: list[Segment]
@@ -419,8 +423,8 @@ class Merger:
             return {"PartNumber": number, "ETag": copied["CopyPartResult"]["ETag"]}
         data = bytearray()
         for piece in part.pieces:  # several small pieces in one part: fetched in turn
-            data += await self._read(segments[piece.segment], piece)
-        uploaded = await self.s3.upload_part(**common, Body=bytes(data))
+            await self._read_into(data, segments[piece.segment], piece)
+        uploaded = await self.s3.upload_part(**common, Body=data)
         return {"PartNumber": number, "ETag": uploaded["ETag"]}
 
     async def _upload(
