@@ -12,6 +12,12 @@ alone on the same decisions in the same run, and grouped vs ungrouped scoring.
    PutObject to the summary's appearance (the model load happens before, as in a running pool).
 The job is cut into ``--segments`` parts and the three paths take turns on each part, so load from
 other processes on a shared machine falls on all of them alike; they never run at the same time.
+
+``--fanout N`` measures the fan-out instead (:func:`fanout_main`): the same job dropped three times,
+each into a fresh local stack, timed from the PutObject to the summary: run whole by one worker
+process with every core (the single path), split into shards for one such process, and split for N
+processes with cores / N threads each; with each split run, the merge's own time and the prefix reuse
+the cut kept, from the job's summary.
 """
 
 from __future__ import annotations
@@ -80,9 +86,12 @@ def _start_worker(env: dict[str, str]) -> subprocess.Popen[str]:
 
 
 class Stack:
-    """moto on 127.0.0.1, the bucket/queues/notification, and one `arbiter work` process."""
+    """moto on 127.0.0.1, the bucket/queues/notification, and one `arbiter work` pool of
+    ``processes`` worker processes (jobs split above ``shard_lines`` lines; 0: never)."""
 
-    def __init__(self, n_threads: int, chunk: int) -> None:
+    def __init__(
+        self, n_threads: int, chunk: int, processes: int = 1, shard_lines: int = 0
+    ) -> None:
         import logging
 
         from moto.server import ThreadedMotoServer
@@ -103,21 +112,26 @@ class Stack:
             ARBITER_BUCKET="bench",
             ARBITER_WAIT_TIME_S="1",
             ARBITER_METRICS_PORT="0",
-            ARBITER_WORKER_PROCESSES="1",
+            ARBITER_WORKER_PROCESSES=str(processes),
             ARBITER_WORKER_THREADS=str(n_threads),
             ARBITER_CHUNK_DECISIONS=str(chunk),
+            ARBITER_SHARD_LINES=str(shard_lines),
             AWS_ACCESS_KEY_ID="testing",
             AWS_SECRET_ACCESS_KEY="testing",
         )
+        self.processes = processes
         self.worker = _start_worker(env)
         self.ready = threading.Event()
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:
         assert self.worker.stderr is not None
+        ready = 0
         for line in self.worker.stderr:
             if '"worker.ready"' in line:
-                self.ready.set()
+                ready += 1
+                if ready >= self.processes:
+                    self.ready.set()
 
     def client_kwargs(self) -> dict[str, str]:
         return {
@@ -218,6 +232,8 @@ async def measure(
 def main(args: argparse.Namespace) -> int:
     from adapter.engine import open_engine
 
+    if getattr(args, "fanout", 0):
+        return fanout_main(args)
     settings = EngineSettings()
     threads = settings.n_threads
     engine = open_engine(settings, model=args.model)
@@ -256,5 +272,100 @@ def main(args: argparse.Namespace) -> int:
             f"the jobs' wall time {report['worker_engine_share']:.3f}\n"
             f"decisions/s  grouped {engine_rate:.2f}  ungrouped {ungrouped_rate:.2f}  "
             f"ratio {report['grouped_vs_ungrouped']:.2f}x (target >= 4x)"
+        )
+    return 0
+
+
+# -- fan-out ---------------------------------------------------------------------------------------
+
+
+async def _one_run(
+    job: bytes, key: str, threads: int, processes: int, shard_lines: int, chunk: int
+) -> tuple[float, dict[str, Any]]:
+    """A fresh stack and pool; seconds from the job's PutObject to its summary, and the summary."""
+    from aiobotocore.session import get_session
+
+    from worker.stack import ensure_stack
+
+    stack = Stack(threads, chunk, processes=processes, shard_lines=shard_lines)
+    try:
+        kw = stack.client_kwargs()
+        session = get_session()
+        async with (
+            session.create_client("s3", **kw) as s3,
+            session.create_client("sqs", **kw) as sqs,
+        ):
+            await ensure_stack(s3, sqs, stack.settings)
+            if not await asyncio.to_thread(stack.ready.wait, 300):
+                raise RuntimeError("the workers did not become ready")
+            return await stack.run_job(s3, key, job)
+    finally:
+        stack.close()
+
+
+def fanout_main(args: argparse.Namespace) -> int:
+    """Job wall time: one process, whole (the single path) / one process, split / N processes,
+    split; the merge's time and the prefix reuse kept."""
+    from adapter.engine import open_engine
+
+    cores = EngineSettings().n_threads
+    n = max(1, args.fanout)
+    engine = open_engine(EngineSettings(), model=args.model)
+    decisions = build_job(engine, args.decisions, args.state_tokens)
+    engine.close()
+    job = _job_bytes(decisions)
+    shard_lines = args.shard_lines or max(10, len(decisions) // (4 * n) // 10 * 10)
+    runs = [
+        ("one process, whole", 1, cores, 0),
+        ("one process, split", 1, cores, shard_lines),
+        (f"{n} processes, split", n, max(1, cores // n), shard_lines),
+    ]
+    print(
+        f"job: {len(decisions)} decisions ({-(-len(decisions) // 10)} states x 10 questions), "
+        f"{cores} cores, shards of {shard_lines} lines",
+        file=sys.stderr,
+    )
+    rows = []
+    for i, (name, processes, threads, lines) in enumerate(runs):
+        seconds, summary = asyncio.run(
+            _one_run(job, f"incoming/fanout-{i}.jsonl", threads, processes, lines, 256)
+        )
+        assert summary["ok"] == len(decisions), summary
+        shards = summary.get("shards") or {}
+        rows.append(
+            {
+                "run": name,
+                "processes": processes,
+                "threads_per_process": threads,
+                "shards": shards.get("count", 0),
+                "wall_s": round(seconds, 2),
+                "decisions_per_s": round(len(decisions) / seconds, 3),
+                "merge_s": summary["seconds"].get("merge"),
+                "prefix_reuse_kept": (shards.get("prefix_reuse") or {}).get("kept"),
+            }
+        )
+        print(f"{name}: {rows[-1]}", file=sys.stderr)
+    whole, split_one, split_n = (r["wall_s"] for r in rows)
+    report = {
+        "decisions": len(decisions),
+        "cores": cores,
+        "shard_lines": shard_lines,
+        "runs": rows,
+        f"speedup_{n}_processes_vs_whole": round(whole / split_n, 3),
+        "split_overhead_one_process": round(split_one / whole, 3),
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for r in rows:
+            print(
+                f"{r['run']:<22} {r['processes']} x {r['threads_per_process']} threads  "
+                f"{r['shards']:>3} shards  {r['wall_s']:>8.1f} s  {r['decisions_per_s']:>7.2f}/s  "
+                f"merge {r['merge_s'] if r['merge_s'] is not None else '-'} s  "
+                f"prefix reuse kept {r['prefix_reuse_kept'] if r['prefix_reuse_kept'] is not None else '-'}"
+            )
+        print(
+            f"{n} processes vs one process whole: {report[f'speedup_{n}_processes_vs_whole']:.2f}x; "
+            f"splitting on one process costs {report['split_overhead_one_process']:.3f}x"
         )
     return 0

@@ -98,6 +98,16 @@ def register(sub: Any, bench_sub: Any | None = None) -> None:
         bench.add_argument(
             "--segments", type=int, default=5, help="turns the paths take (noise sharing)"
         )
+        bench.add_argument(
+            "--fanout",
+            type=int,
+            default=0,
+            metavar="N",
+            help="instead: job wall time whole on 1 process vs split on 1 and on N processes",
+        )
+        bench.add_argument(
+            "--shard-lines", type=int, default=0, help="with --fanout (0: decisions / 4N)"
+        )
         bench.add_argument("--model", type=Path, default=None)
         bench.add_argument("--json", action="store_true", help="print JSON")
         bench.set_defaults(func=cmd_bench_worker)
