@@ -108,6 +108,7 @@ def register(sub: Any, bench_sub: Any | None = None) -> None:
         bench.add_argument(
             "--shard-lines", type=int, default=0, help="with --fanout (0: decisions / 4N)"
         )
+        bench.add_argument("--repeats", type=int, default=2, help="with --fanout: rounds")
         bench.add_argument("--model", type=Path, default=None)
         bench.add_argument("--json", action="store_true", help="print JSON")
         bench.set_defaults(func=cmd_bench_worker)

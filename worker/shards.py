@@ -67,11 +67,11 @@ class PreconditionFailed(Exception):
 
 
 def is_precondition_failed(exc: ClientError) -> bool:
+    """412: the condition was checked and is false. Not S3's 409 ``ConditionalRequestConflict`` (a
+    concurrent write was in progress, outcome unknown): that one is retried as any S3 error is."""
     error = exc.response.get("Error", {})
     status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return (
-        error.get("Code") in {"PreconditionFailed", "ConditionalRequestConflict"} or status == 412
-    )
+    return bool(error.get("Code") == "PreconditionFailed" or status == 412)
 
 
 async def put_json(s3: Any, bucket: str, key: str, doc: Any, **condition: str) -> str:
