@@ -430,6 +430,41 @@ async def test_a_merger_killed_between_steps_is_followed_by_one_that_finishes(
     assert finished_in < 30  # taken over when its message came back, not when the claim expired
 
 
+async def test_a_merge_stopped_at_a_drain_is_taken_over_at_once(endpoint: str) -> None:
+    settings = fanout_settings(endpoint, shard_lines=4, merge_claim_ttl_s=60, drain_deadline_s=0.2)
+    body = "\n".join(decision_line(i, state=f"S{i}") for i in range(12)).encode()
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await _stack(s3, sqs, settings)
+        etag = await _put(s3, "incoming/drained.jsonl", body)
+        keys = outputs(settings, "incoming/drained.jsonl", etag)
+        a, _ = await make_consumer(settings, s3, sqs, FakeEngine())
+        merging = asyncio.Event()
+
+        async def stuck(*args: Any) -> Any:
+            merging.set()
+            await asyncio.sleep(3600)  # a merge far longer than the drain deadline
+
+        a.fanout.merger._results = stuck  # type: ignore[method-assign]
+        task = asyncio.create_task(a.run())
+        await asyncio.wait_for(merging.wait(), 30)
+        a.stop()  # a deploy: SIGTERM
+        await asyncio.wait_for(task, 10)
+        claim = json.loads(
+            await read_object(
+                s3, "jobs", shard_keys(settings, "incoming/drained.jsonl", etag).claim
+            )
+        )
+        stopped_at = time.monotonic()
+        b, _ = await make_consumer(settings, s3, sqs, FakeEngine())
+        await run_until_done([b], s3, sqs, stack["queue_url"], keys.summary)
+        took = time.monotonic() - stopped_at
+        written = (await versions(s3, keys.results), await versions(s3, keys.summary))
+        uploads = await s3.list_multipart_uploads(Bucket="jobs")
+    assert claim["released"] is True and claim["expires_at"] < time.time()
+    assert written == (1, 1) and not uploads.get("Uploads")
+    assert took < 20, took  # not the 60 s claim TTL
+
+
 # -- failure and progress --------------------------------------------------------------------------
 
 
