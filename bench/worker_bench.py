@@ -322,7 +322,9 @@ def fanout_main(args: argparse.Namespace) -> int:
     decisions = build_job(engine, args.decisions, args.state_tokens)
     engine.close()
     job = _job_bytes(decisions)
-    shard_lines = args.shard_lines or max(40, len(decisions) // (4 * n))
+    # About four shards per process; 3 lines past a multiple of the 10 questions per state, so that
+    # each cut lands inside a state's run and the split has to move it to keep the run whole.
+    shard_lines = args.shard_lines or max(43, len(decisions) // (4 * n) // 10 * 10 + 3)
     runs = [
         ("one process, whole", 1, cores, 0),
         ("one process, split", 1, cores, shard_lines),
@@ -359,6 +361,10 @@ def fanout_main(args: argparse.Namespace) -> int:
                 "decisions_per_s": round(len(decisions) / best, 3),
                 "merge_s": summary["seconds"].get("merge"),
                 "prefix_reuse_kept": (shards.get("prefix_reuse") or {}).get("kept"),
+                "runs_cut": (shards.get("prefix_reuse") or {}).get("runs_cut_by_shards"),
+                "boundaries_moved": (shards.get("prefix_reuse") or {}).get(
+                    "boundaries_moved_to_keep_runs"
+                ),
             }
         )
     whole, split_one, split_n = (r["wall_s"] for r in rows)
@@ -380,6 +386,7 @@ def fanout_main(args: argparse.Namespace) -> int:
                 f"{r['decisions_per_s']:>6.2f}/s  "
                 f"merge {r['merge_s'] if r['merge_s'] is not None else '-'} s  "
                 f"prefix reuse kept {r['prefix_reuse_kept'] if r['prefix_reuse_kept'] is not None else '-'}"
+                f" (cuts moved {r['boundaries_moved'] or 0}, runs cut {r['runs_cut'] or 0})"
             )
         print(
             f"{n} processes vs one process whole: {report[f'speedup_{n}_processes_vs_whole']:.2f}x; "

@@ -435,7 +435,9 @@ class Merger:
         data = bytearray()
         for piece in part.pieces:  # several small pieces in one part: fetched in turn
             await self._read_into(data, segments[piece.segment], piece)
-        uploaded = await self.s3.upload_part(**common, Body=data)
+        body = bytes(data)  # as the single path's parts (aiohttp takes a large bytearray badly)
+        del data
+        uploaded = await self.s3.upload_part(**common, Body=body)
         return {"PartNumber": number, "ETag": uploaded["ETag"]}
 
     async def _upload(
