@@ -234,6 +234,10 @@ class FanOut:
                 self._count("stale")
                 return JobReport("shard", job, keys)
             span = manifest.shards[ref.index]
+            if await exists(self.s3, self.bucket, keys.summary):
+                self._count("duplicate")  # a copy, or a deferred message back after the merge
+                await self.merger.merge(keys, skeys, manifest, delivery.message_id)  # cleans up
+                return JobReport("shard", job, keys)
             if await exists(self.s3, self.bucket, skeys.done(ref.index)) or await exists(
                 self.s3, self.bucket, skeys.failed(ref.index)
             ):
