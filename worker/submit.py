@@ -25,7 +25,7 @@ from worker.status import status_key
 def _show(bar: tqdm[Any], doc: dict[str, Any]) -> None:
     shards = doc["shards"]
     bar.total = doc["lines"]["total"]
-    bar.n = doc["lines"]["done"]
+    bar.update(doc["lines"]["done"] - bar.n)  # the rate counts lines done while watched
     failed = f", {doc['lines']['failed']} lines failed" if doc["lines"]["failed"] else ""
     bar.set_postfix_str(f"{shards['done'] + shards['failed']}/{shards['total']} shards{failed}")
 
@@ -63,7 +63,13 @@ async def submit(
                 if progress:
                     doc = await get_json(s3, settings.bucket, status_key(keys))
                     if doc is not None:
-                        bar = bar or tqdm(desc="lines", unit="line", file=sys.stderr)
+                        bar = bar or tqdm(
+                            desc="lines",
+                            unit="line",
+                            file=sys.stderr,
+                            initial=doc[0]["lines"]["done"],
+                            total=doc[0]["lines"]["total"],
+                        )
                         _show(bar, doc[0])
                         bar.refresh()
                 await asyncio.sleep(0.5)
