@@ -89,11 +89,11 @@ async def versions(s3: Any, key: str) -> int:
 
 
 async def make_consumer(
-    settings: WorkerSettings, s3: Any, sqs: Any, engine: Any
+    settings: WorkerSettings, s3: Any, sqs: Any, engine: Any, **kw: Any
 ) -> tuple[Consumer, CollectorRegistry]:
     registry = CollectorRegistry()
     queue = await describe_queue(sqs, settings)
-    return Consumer(settings, s3, sqs, engine, queue, WorkerMetrics(registry)), registry
+    return Consumer(settings, s3, sqs, engine, queue, WorkerMetrics(registry), **kw), registry
 
 
 def sample(registries: Sequence[CollectorRegistry], name: str, **labels: str) -> float:

@@ -505,6 +505,45 @@ async def test_a_shard_that_fails_on_every_receive_is_named_in_the_summary(endpo
     assert sample([registry], "arbiter_worker_shards_total", outcome="failed") == 1
 
 
+class SlowOnSlow(FakeEngine):
+    """Takes a second per decision whose state is ``SLOW``."""
+
+    def score(self, decisions: Any) -> Any:
+        time.sleep(sum(d.state == "SLOW" for d in decisions))
+        return super().score(decisions)
+
+
+async def test_a_shard_whose_lease_is_lost_at_its_last_receive_fails_and_the_job_finishes(
+    endpoint: str,
+) -> None:
+    # SQS's 12 h limit, here 4 s: shard 1 needs 8 s on its one allowed receive.
+    settings = fanout_settings(
+        endpoint,
+        shard_lines=4,
+        max_receive_count=1,
+        visibility_timeout_s=2,
+        heartbeat_s=0.5,
+        chunk_decisions=1,
+    )
+    states = ["A", "B", "C", "D", *["SLOW"] * 4]
+    body = "\n".join(decision_line(i, state=s) for i, s in enumerate(states)).encode()
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await _stack(s3, sqs, settings)
+        etag = await _put(s3, "incoming/slow.jsonl", body)
+        keys = outputs(settings, "incoming/slow.jsonl", etag)
+        consumer, registry = await make_consumer(
+            settings, s3, sqs, SlowOnSlow(), visibility_limit_s=4
+        )
+        await run_until_done([consumer], s3, sqs, stack["queue_url"], keys.summary)
+        summary = json.loads(await read_object(s3, "jobs", keys.summary))
+        dead = await receive_all(sqs, stack["dlq_url"], wait=1)
+    [failed] = summary["shards"]["failed"]
+    assert failed["index"] == 1 and "visibility limit" in failed["error"]
+    assert summary["ok"] == 4 and summary["errors_by_code"] == {"shard_failed": 4}
+    assert [json.loads(m["Body"])["index"] for m in dead] == [1]  # one copy, as a record
+    assert sample([registry], "arbiter_worker_dlq_moves_total", reason="max_receives") == 1
+
+
 async def test_submit_shows_the_progress_of_a_split_job_then_its_summary(
     endpoint: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

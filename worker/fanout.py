@@ -37,7 +37,7 @@ from botocore.exceptions import ClientError
 
 from adapter.schema import DecisionRequest
 from worker import status
-from worker.events import JobRef, ShardRef
+from worker.events import JobRef, ShardRef, UnreadableMessage, parse_message
 from worker.formats import Item, decode_items
 from worker.jobs import (
     JobRejected,
@@ -272,7 +272,8 @@ class FanOut:
                 raise  # retried with backoff, like a job
             if await exists(self.s3, self.bucket, keys.summary):
                 return "duplicate"
-            await self._mark_failed(ref, skeys, manifest, span, exc, delivery)
+            reason = f"{type(exc).__name__}: {exc}"
+            await self._mark_failed(ref, skeys, manifest, span, reason, delivery.receive_count)
             return "failed"
         if marker is None:
             return "duplicate"
@@ -345,30 +346,52 @@ class FanOut:
         log.info("shard.done", lines=tally.lines, failed=tally.failed, bytes=size)
         return marker
 
+    async def give_up(self, body: str, reason: str, receives: int) -> None:
+        """A shard message's last allowed receive failed where :meth:`_score` could not see it (its
+        lease was lost: SQS's 12 h limit, a refused extension): mark the shard failed and send its
+        message once more, so that a worker finds its job complete and merges it. Anything else
+        (a job message, a shard of a finished job) is left to the dead-letter queue alone."""
+        try:
+            [ref] = parse_message(body, bucket=self.bucket, input_prefix=self.settings.input_prefix)
+        except (UnreadableMessage, ValueError):
+            return
+        if not isinstance(ref, ShardRef):
+            return
+        skeys = shard_keys(self.settings, ref.key, ref.etag)
+        manifest = await self._manifest(skeys)
+        if manifest is None or manifest.split != ref.split or ref.index >= manifest.count:
+            return
+        span = manifest.shards[ref.index]
+        if await exists(self.s3, self.bucket, skeys.done(ref.index)):
+            return
+        if await self._mark_failed(ref, skeys, manifest, span, reason, receives, copy=False):
+            await self.sqs.send_message(QueueUrl=self.queue_url, MessageBody=body)
+
     async def _mark_failed(
         self,
         ref: ShardRef,
         skeys: ShardKeys,
         manifest: Manifest,
         span: ShardSpan,
-        exc: BaseException,
-        delivery: Delivery,
-    ) -> None:
-        """Shard ``span`` will not be scored: say why, so the job can finish and its summary tell."""
-        reason = f"{type(exc).__name__}: {exc}"[:2000]
-        log.error("shard.failed", error=reason, receives=delivery.receive_count)
+        reason: str,
+        receives: int,
+        copy: bool = True,
+    ) -> bool:
+        """Shard ``span`` will not be scored: say why, so the job can finish and its summary tell;
+        ``copy``: its message to the dead-letter queue too. False if it was marked already."""
+        log.error("shard.failed", error=reason, receives=receives)
         marker = {
             "index": span.index,
-            "error": reason,
-            "receives": delivery.receive_count,
+            "error": reason[:2000],
+            "receives": receives,
             "worker": {"host": socket.gethostname(), "pid": os.getpid()},
             "at": datetime.now(UTC).isoformat(),
         }
         try:
             await put_json(self.s3, self.bucket, skeys.failed(span.index), marker, IfNoneMatch="*")
         except PreconditionFailed:
-            return
-        if self.dlq_url:
+            return False
+        if copy and self.dlq_url:
             await self.sqs.send_message(
                 QueueUrl=self.dlq_url, MessageBody=shard_message(manifest, span.index)
             )
@@ -380,3 +403,4 @@ class FanOut:
             status.status_key(output_keys(self.settings, ref.key, ref.etag)),
             lambda doc: status.count_shard(doc, span.index, span.items, span.items, True),
         )
+        return True

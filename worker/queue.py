@@ -319,6 +319,8 @@ class Consumer:
         if to_dlq and self.queue.dlq_url:
             # Moved by the worker, not left to the redrive policy: the count includes failed
             # receives carried over from before a release, which SQS's own count does not.
+            why = f"{type(exc).__name__}: {exc}"
+            await self.fanout.give_up(message["Body"], why, receive_count)
             await self._dead_letter(message, "max_receives")
             return
         await self._set_visibility(message, delay)
