@@ -55,6 +55,17 @@ def register(sub: Any) -> None:
     worker.add_argument(
         "--segments", type=int, default=5, help="turns the paths take (noise sharing)"
     )
+    worker.add_argument(
+        "--fanout",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: job wall time whole on 1 process vs split on 1 and on N processes",
+    )
+    worker.add_argument(
+        "--shard-lines", type=int, default=0, help="with --fanout (0: decisions / 4N)"
+    )
+    worker.add_argument("--repeats", type=int, default=2, help="with --fanout: rounds")
     worker.add_argument("--model", type=Path, default=None)
     worker.add_argument("--json", action="store_true", help="print JSON")
 

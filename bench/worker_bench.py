@@ -12,6 +12,13 @@ alone on the same decisions in the same run, and grouped vs ungrouped scoring.
    PutObject to the summary's appearance (the model load happens before, as in a running pool).
 The job is cut into ``--segments`` parts and the three paths take turns on each part, so load from
 other processes on a shared machine falls on all of them alike; they never run at the same time.
+
+``--fanout N`` measures the fan-out instead (:func:`fanout_main`): the same job dropped into a fresh
+local stack each time, timed from the PutObject to the summary: run whole by one worker process with
+every core (the single path), split into shards for one such process, and split for N processes
+with cores / N threads each; with each split run, the merge's own time and the prefix reuse the cut
+kept, from the job's summary. The three take turns ``--repeats`` times, so load from other processes
+falls on all alike; the fastest of each is reported (and the median).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -77,9 +85,12 @@ def _start_worker(env: dict[str, str]) -> subprocess.Popen[str]:
 
 
 class Stack:
-    """moto on 127.0.0.1, the bucket/queues/notification, and one `arbiter work` process."""
+    """moto on 127.0.0.1, the bucket/queues/notification, and one `arbiter work` pool of
+    ``processes`` worker processes (jobs split above ``shard_lines`` lines; 0: never)."""
 
-    def __init__(self, n_threads: int, chunk: int) -> None:
+    def __init__(
+        self, n_threads: int, chunk: int, processes: int = 1, shard_lines: int = 0
+    ) -> None:
         import logging
 
         from moto.server import ThreadedMotoServer
@@ -100,21 +111,44 @@ class Stack:
             ARBITER_BUCKET="bench",
             ARBITER_WAIT_TIME_S="1",
             ARBITER_METRICS_PORT="0",
-            ARBITER_WORKER_PROCESSES="1",
+            ARBITER_WORKER_PROCESSES=str(processes),
             ARBITER_WORKER_THREADS=str(n_threads),
             ARBITER_CHUNK_DECISIONS=str(chunk),
+            ARBITER_SHARD_LINES=str(shard_lines),
             AWS_ACCESS_KEY_ID="testing",
             AWS_SECRET_ACCESS_KEY="testing",
         )
+        self.processes = processes
+        # The queues exist before the workers look them up (a worker that finds none exits, and
+        # the pool gives up after a few restarts).
+        provision = threading.Thread(target=asyncio.run, args=(self._provision(),))
+        provision.start()
+        provision.join()
         self.worker = _start_worker(env)
         self.ready = threading.Event()
         threading.Thread(target=self._watch, daemon=True).start()
 
+    async def _provision(self) -> None:
+        from aiobotocore.session import get_session
+
+        from worker.stack import ensure_stack
+
+        kw = self.client_kwargs()
+        session = get_session()
+        async with (
+            session.create_client("s3", **kw) as s3,
+            session.create_client("sqs", **kw) as sqs,
+        ):
+            await ensure_stack(s3, sqs, self.settings)
+
     def _watch(self) -> None:
         assert self.worker.stderr is not None
+        ready = 0
         for line in self.worker.stderr:
             if '"worker.ready"' in line:
-                self.ready.set()
+                ready += 1
+                if ready >= self.processes:
+                    self.ready.set()
 
     def client_kwargs(self) -> dict[str, str]:
         return {
@@ -167,8 +201,6 @@ async def measure(
     """The three paths, alternated segment by segment so that they share the machine's load."""
     from aiobotocore.session import get_session
 
-    from worker.stack import ensure_stack
-
     n = len(decisions)
     segments = max(1, min(args.segments, n // 10))
     per = -(-n // segments)
@@ -179,11 +211,7 @@ async def measure(
     try:
         kw = stack.client_kwargs()
         session = get_session()
-        async with (
-            session.create_client("s3", **kw) as s3,
-            session.create_client("sqs", **kw) as sqs,
-        ):
-            await ensure_stack(s3, sqs, stack.settings)
+        async with session.create_client("s3", **kw) as s3:
             if not await asyncio.to_thread(stack.ready.wait, 180):
                 raise RuntimeError("the worker did not become ready")
             for i in range(segments):
@@ -215,6 +243,8 @@ async def measure(
 def main(args: argparse.Namespace) -> int:
     from arbiter.engine import open_engine
 
+    if getattr(args, "fanout", 0):
+        return fanout_main(args)
     settings = EngineSettings()
     threads = settings.n_threads
     engine = open_engine(settings, model=args.model)
@@ -253,5 +283,110 @@ def main(args: argparse.Namespace) -> int:
             f"the jobs' wall time {report['worker_engine_share']:.3f}\n"
             f"decisions/s  grouped {engine_rate:.2f}  ungrouped {ungrouped_rate:.2f}  "
             f"ratio {report['grouped_vs_ungrouped']:.2f}x (target >= 4x)"
+        )
+    return 0
+
+
+# -- fan-out ---------------------------------------------------------------------------------------
+
+
+async def _one_run(
+    job: bytes, key: str, threads: int, processes: int, shard_lines: int, chunk: int
+) -> tuple[float, dict[str, Any]]:
+    """A fresh stack and pool; seconds from the job's PutObject to its summary, and the summary."""
+    from aiobotocore.session import get_session
+
+    stack = Stack(threads, chunk, processes=processes, shard_lines=shard_lines)
+    try:
+        kw = stack.client_kwargs()
+        session = get_session()
+        async with session.create_client("s3", **kw) as s3:
+            if not await asyncio.to_thread(stack.ready.wait, 300):
+                raise RuntimeError("the workers did not become ready")
+            return await stack.run_job(s3, key, job)
+    finally:
+        stack.close()
+
+
+def fanout_main(args: argparse.Namespace) -> int:
+    """Job wall time: one process, whole (the single path) / one process, split / N processes,
+    split; the merge's time and the prefix reuse kept."""
+    from arbiter.engine import open_engine
+
+    cores = EngineSettings().n_threads
+    n = max(1, args.fanout)
+    engine = open_engine(EngineSettings(), model=args.model)
+    decisions = build_job(engine, args.decisions, args.state_tokens)
+    engine.close()
+    job = _job_bytes(decisions)
+    # About four shards per process; 3 lines past a multiple of the 10 questions per state, so that
+    # each cut lands inside a state's run and the split has to move it to keep the run whole.
+    shard_lines = args.shard_lines or max(43, len(decisions) // (4 * n) // 10 * 10 + 3)
+    runs = [
+        ("one process, whole", 1, cores, 0),
+        ("one process, split", 1, cores, shard_lines),
+        (f"{n} processes, split", n, max(1, cores // n), shard_lines),
+    ]
+    print(
+        f"job: {len(decisions)} decisions ({-(-len(decisions) // 10)} states x 10 questions), "
+        f"{cores} cores, shards of {shard_lines} lines",
+        file=sys.stderr,
+    )
+    walls: list[list[float]] = [[] for _ in runs]
+    last: list[dict[str, Any]] = [{} for _ in runs]
+    for repeat in range(max(1, args.repeats)):
+        for i, (name, processes, threads, lines) in enumerate(runs):
+            seconds, summary = asyncio.run(
+                _one_run(job, f"incoming/fanout-{repeat}-{i}.jsonl", threads, processes, lines, 256)
+            )
+            assert summary["ok"] == len(decisions), summary
+            walls[i].append(seconds)
+            last[i] = summary
+            print(f"round {repeat + 1}, {name}: {seconds:.1f} s", file=sys.stderr)
+    rows = []
+    for (name, processes, threads, _), times, summary in zip(runs, walls, last, strict=True):
+        shards = summary.get("shards") or {}
+        best = min(times)
+        rows.append(
+            {
+                "run": name,
+                "processes": processes,
+                "threads_per_process": threads,
+                "shards": shards.get("count", 0),
+                "wall_s": round(best, 2),
+                "wall_s_median": round(statistics.median(times), 2),
+                "decisions_per_s": round(len(decisions) / best, 3),
+                "merge_s": summary["seconds"].get("merge"),
+                "prefix_reuse_kept": (shards.get("prefix_reuse") or {}).get("kept"),
+                "runs_cut": (shards.get("prefix_reuse") or {}).get("runs_cut_by_shards"),
+                "boundaries_moved": (shards.get("prefix_reuse") or {}).get(
+                    "boundaries_moved_to_keep_runs"
+                ),
+            }
+        )
+    whole, split_one, split_n = (r["wall_s"] for r in rows)
+    report = {
+        "decisions": len(decisions),
+        "cores": cores,
+        "shard_lines": shard_lines,
+        "runs": rows,
+        f"speedup_{n}_processes_vs_whole": round(whole / split_n, 3),
+        "split_overhead_one_process": round(split_one / whole, 3),
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for r in rows:
+            print(
+                f"{r['run']:<22} {r['processes']} x {r['threads_per_process']} threads  "
+                f"{r['shards']:>3} shards  {r['wall_s']:>7.1f} s (median {r['wall_s_median']:.1f})  "
+                f"{r['decisions_per_s']:>6.2f}/s  "
+                f"merge {r['merge_s'] if r['merge_s'] is not None else '-'} s  "
+                f"prefix reuse kept {r['prefix_reuse_kept'] if r['prefix_reuse_kept'] is not None else '-'}"
+                f" (cuts moved {r['boundaries_moved'] or 0}, runs cut {r['runs_cut'] or 0})"
+            )
+        print(
+            f"{n} processes vs one process whole: {report[f'speedup_{n}_processes_vs_whole']:.2f}x; "
+            f"splitting on one process costs {report['split_overhead_one_process']:.3f}x"
         )
     return 0

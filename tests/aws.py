@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -15,11 +16,34 @@ from typing import Any
 CREDS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 
 
+def _atomic_object_writes() -> None:
+    """moto checks a write's condition (``If-None-Match``, ``If-Match``) and then stores the object
+    in two steps, with nothing that stops another of its server threads in between; S3 does both
+    as one (that is what a conditional write is). Object writes (PUT and POST on a key: PutObject,
+    UploadPart(Copy), CompleteMultipartUpload) are serialized here, so that the test server keeps
+    the guarantee that worker/merge.py relies on and races between workers are S3's, not moto's."""
+    from moto.s3.responses import S3Response
+
+    if getattr(S3Response, "_arbiter_atomic", False):
+        return
+    lock = threading.Lock()
+    for name in ("_key_response_put", "_key_response_post"):
+        original = getattr(S3Response, name)
+
+        def locked(self: Any, *args: Any, _original: Any = original, **kw: Any) -> Any:
+            with lock:
+                return _original(self, *args, **kw)
+
+        setattr(S3Response, name, locked)
+    S3Response._arbiter_atomic = True  # type: ignore[attr-defined]
+
+
 @functools.cache
 def moto_endpoint() -> str:
     """Start moto's threaded server once for the session (stopped at exit with the process)."""
     from moto.server import ThreadedMotoServer
 
+    _atomic_object_writes()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -92,3 +116,13 @@ async def queue_counts(sqs: Any, url: str) -> tuple[int, int]:
     )
     a = got["Attributes"]
     return int(a["ApproximateNumberOfMessages"]), int(a["ApproximateNumberOfMessagesNotVisible"])
+
+
+async def s3_notification(sqs: Any, url: str) -> dict[str, Any]:
+    """The next S3 notification on the queue (S3's test event is deleted on the way)."""
+    for _ in range(10):
+        for message in await receive_all(sqs, url, wait=1):
+            if "Records" in message["Body"]:
+                return message
+            await sqs.delete_message(QueueUrl=url, ReceiptHandle=message["ReceiptHandle"])
+    raise AssertionError("no S3 notification arrived")

@@ -1,4 +1,5 @@
-"""What arrives on the queue: S3 event notifications, S3's test event, or a direct ``{bucket, key}``.
+"""What arrives on the queue: S3 event notifications, S3's test event, a direct ``{bucket, key}``, or
+one shard of a job that a worker split (:mod:`worker.shards`).
 
 AWS models keep AWS field names (``Records``, ``eTag``); the domain model :class:`JobRef` is frozen.
 S3 URL-encodes object keys in notifications (a space becomes ``+``; moto also encodes ``/``), so keys
@@ -74,6 +75,32 @@ class DirectMessage(BaseModel):
     version_id: str | None = None
 
 
+class ShardMessage(BaseModel):
+    """One shard of a split job, sent by the worker that split it (the key is taken literally)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    arbiter_shard: Literal[1]
+    bucket: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+    etag: str = Field(min_length=1, max_length=128)
+    split: str = Field(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")
+    index: int = Field(ge=0)
+    count: int = Field(ge=1)
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """Shard ``index`` of ``count`` of the job (bucket, key, etag), as split by ``split``."""
+
+    bucket: str
+    key: str
+    etag: str
+    split: str
+    index: int
+    count: int
+
+
 @dataclass(frozen=True)
 class JobRef:
     """One input object to process. ``etag`` is unquoted; None means "look it up"."""
@@ -101,7 +128,7 @@ def normalize_etag(etag: str | None) -> str | None:
     return etag.strip('"') if etag else None
 
 
-def _accept(ref: JobRef, bucket: str, input_prefix: str) -> JobRef | Ignored:
+def _accept(ref: JobRef | ShardRef, bucket: str, input_prefix: str) -> JobRef | ShardRef | Ignored:
     if ref.bucket != bucket:
         return Ignored(f"bucket {ref.bucket!r} is not the job bucket {bucket!r}")
     if not ref.key.startswith(input_prefix):
@@ -111,7 +138,9 @@ def _accept(ref: JobRef, bucket: str, input_prefix: str) -> JobRef | Ignored:
     return ref
 
 
-def parse_message(body: str, *, bucket: str, input_prefix: str) -> list[JobRef | Ignored]:
+def parse_message(
+    body: str, *, bucket: str, input_prefix: str
+) -> list[JobRef | ShardRef | Ignored]:
     """The jobs (and ignored entries) a message announces, one per record.
 
     Raises :class:`UnreadableMessage` for a body that is not one of the accepted shapes.
@@ -130,7 +159,7 @@ def parse_message(body: str, *, bucket: str, input_prefix: str) -> list[JobRef |
             return [Ignored("s3:TestEvent")]
         if "Records" in raw:
             event = S3EventNotification.model_validate(raw)
-            out: list[JobRef | Ignored] = []
+            out: list[JobRef | ShardRef | Ignored] = []
             for record in event.Records:
                 if not record.eventName.startswith("ObjectCreated"):
                     out.append(Ignored(f"event {record.eventName!r} is not an object creation"))
@@ -145,8 +174,14 @@ def parse_message(body: str, *, bucket: str, input_prefix: str) -> list[JobRef |
                 )
                 out.append(_accept(ref, bucket, input_prefix))
             return out
+        if "arbiter_shard" in raw:
+            shard = ShardMessage.model_validate(raw)
+            if shard.index >= shard.count:
+                raise ValueError(f"shard index {shard.index} is not below count {shard.count}")
+            shard_ref = ShardRef(**shard.model_dump(exclude={"arbiter_shard"}))
+            return [_accept(shard_ref, bucket, input_prefix)]
         direct = DirectMessage.model_validate(raw)
     except (ValidationError, RecursionError, ValueError) as exc:
         raise UnreadableMessage(f"message is not an S3 event or {{bucket, key}}: {exc}") from exc
-    ref = JobRef(direct.bucket, direct.key, normalize_etag(direct.etag), direct.version_id)
-    return [_accept(ref, bucket, input_prefix)]
+    job = JobRef(direct.bucket, direct.key, normalize_etag(direct.etag), direct.version_id)
+    return [_accept(job, bucket, input_prefix)]

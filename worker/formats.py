@@ -9,7 +9,8 @@ bad JSON, nesting too deep for the parser, an integer too long to convert, a sch
 broken stream ends the input early, with one error item: corrupt or truncated gzip, or a ``.json``
 document whose structure breaks (a missing comma, an unterminated element).
 
-The readers are async iterators of bounded items, so a job can also be read in shards.
+The readers are async iterators of bounded items; :func:`raw_items_for` gives them undecoded, which is
+what a large job is split into shards by (:mod:`worker.shards`).
 """
 
 from __future__ import annotations
@@ -189,15 +190,22 @@ async def lines(
         yield number + 1, bytes(buf)
 
 
-async def jsonl_items(
-    chunks: AsyncIterator[bytes], max_line: int = DEFAULT_MAX_ITEM
+async def decode_items(
+    raw: AsyncIterator[tuple[int, bytes | ArbiterError]], what: str = "line"
 ) -> AsyncIterator[Item]:
-    """One item per non-blank line: the decision, or the typed error that line earned."""
-    async for number, data in lines(chunks, max_line):
+    """Numbered raw lines (or elements) -> items: each decoded, or kept as the error it already is."""
+    async for number, data in raw:
         if isinstance(data, ArbiterError):
             yield Item(number, data)
         else:
-            yield decode_item(number, data)
+            yield decode_item(number, data, what)
+
+
+def jsonl_items(
+    chunks: AsyncIterator[bytes], max_line: int = DEFAULT_MAX_ITEM
+) -> AsyncIterator[Item]:
+    """One item per non-blank line: the decision, or the typed error that line earned."""
+    return decode_items(lines(chunks, max_line))
 
 
 # -- one JSON document -----------------------------------------------------------------------------
@@ -329,7 +337,7 @@ def _scan(buf: bytearray, scan: int, depth: int, in_string: bool) -> tuple[int, 
     return scan, False, depth, in_string
 
 
-async def json_items(
+def json_items(
     chunks: AsyncIterator[bytes], max_item: int = DEFAULT_MAX_ITEM
 ) -> AsyncIterator[Item]:
     """``{"decisions": [...]}`` read element by element; ``line`` is the 1-based element index.
@@ -338,6 +346,14 @@ async def json_items(
     item and reading goes on. A break in the document's own structure ends it: one error item at
     the next index, and reading stops (what follows cannot be located reliably).
     """
+    return decode_items(json_elements(chunks, max_item), "element")
+
+
+async def json_elements(
+    chunks: AsyncIterator[bytes], max_item: int = DEFAULT_MAX_ITEM
+) -> AsyncIterator[tuple[int, bytes | ArbiterError]]:
+    """The elements of ``"decisions"`` as raw bytes, numbered from 1, undecoded (see
+    :func:`json_items`): an element over ``max_item`` or a break in the document is an error."""
     doc = _Document(chunks, max_item)
     emitted = 0
     found = False
@@ -353,21 +369,19 @@ async def json_items(
                     await doc.value(keep=False)
                 else:
                     found = True
-                    async for item in _elements(doc, emitted):
-                        emitted = item.line
-                        yield item
+                    async for number, data in _elements(doc, emitted):
+                        emitted = number
+                        yield number, data
                 if await doc.expect(b",}", "after a value") == ord("}"):
                     break
         if await doc.peek() is not None:
             raise MalformedRequest("the document is not valid JSON: content after its end")
         if not found:
-            yield Item(
-                1, MalformedRequest('the document has no "decisions" array', param="decisions")
-            )
+            yield 1, MalformedRequest('the document has no "decisions" array', param="decisions")
     except MalformedRequest as exc:
-        yield Item(emitted + 1, exc)
+        yield emitted + 1, exc
     except CorruptInput as exc:
-        yield Item(emitted + 1, _corrupt(exc))
+        yield emitted + 1, _corrupt(exc)
 
 
 def _key(data: bytes | None) -> str:
@@ -380,7 +394,9 @@ def _key(data: bytes | None) -> str:
     return key
 
 
-async def _elements(doc: _Document, emitted: int) -> AsyncIterator[Item]:
+async def _elements(
+    doc: _Document, emitted: int
+) -> AsyncIterator[tuple[int, bytes | ArbiterError]]:
     await doc.expect(b"[", 'after "decisions":')
     if await doc.peek() == ord("]"):
         doc.pos += 1
@@ -389,22 +405,31 @@ async def _elements(doc: _Document, emitted: int) -> AsyncIterator[Item]:
     while True:
         index += 1
         data = await doc.value()
-        if data is None:
-            yield Item(index, _too_large("element", doc.max_item), None, doc.max_item)
-        else:
-            yield decode_item(index, data, "element")
+        yield index, _too_large("element", doc.max_item) if data is None else data
         if await doc.expect(b",]", "after an element") == ord("]"):
             return
+
+
+def item_kind(key: str) -> str:
+    """What one item of the job at ``key`` is called in error messages: a line or an element."""
+    return "element" if key.removesuffix(".gz").endswith(".json") else "line"
+
+
+def raw_items_for(
+    key: str, chunks: AsyncIterator[bytes], max_item_bytes: int = DEFAULT_MAX_ITEM
+) -> AsyncIterator[tuple[int, bytes | ArbiterError]]:
+    """The numbered, undecoded lines (or elements) of a job object, by its key's suffix
+    (``.jsonl``/``.json``, optionally ``.gz``): what a job is split into shards by."""
+    if key.endswith(".gz"):
+        chunks = gunzip(chunks)
+    chunks = _without_bom(chunks)
+    if item_kind(key) == "element":
+        return json_elements(chunks, max_item_bytes)
+    return lines(chunks, max_item_bytes)
 
 
 def items_for(
     key: str, chunks: AsyncIterator[bytes], max_item_bytes: int = DEFAULT_MAX_ITEM
 ) -> AsyncIterator[Item]:
     """The items of a job object, by its key's suffix (``.jsonl``/``.json``, optionally ``.gz``)."""
-    if key.endswith(".gz"):
-        chunks = gunzip(chunks)
-        key = key.removesuffix(".gz")
-    chunks = _without_bom(chunks)
-    if key.endswith(".json"):
-        return json_items(chunks, max_item_bytes)
-    return jsonl_items(chunks, max_item_bytes)
+    return decode_items(raw_items_for(key, chunks, max_item_bytes), item_kind(key))

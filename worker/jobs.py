@@ -69,21 +69,26 @@ def output_keys(settings: WorkerSettings, key: str, etag: str) -> OutputKeys:
     """
     name = key.removeprefix(settings.input_prefix)
     fixed = len(f"{settings.output_prefix}.{etag}.results.jsonl".encode())
-    room = MAX_KEY_BYTES - fixed
-    encoded = name.encode()
-    if len(encoded) > room:
-        digest = hashlib.sha256(encoded).hexdigest()[:16]
-        head = encoded[: max(0, room - len(digest) - 1)].decode("utf-8", "ignore")
-        name = f"{head}~{digest}"
-    base = f"{settings.output_prefix}{name}.{etag}"
+    base = f"{settings.output_prefix}{fit_name(name, MAX_KEY_BYTES - fixed)}.{etag}"
     return OutputKeys(f"{base}.results.jsonl", f"{base}.summary.json")
+
+
+def fit_name(name: str, room: int) -> str:
+    """``name`` if it fits in ``room`` bytes; else cut at a character boundary, ending in ``~`` and
+    16 hex digits of its SHA-256 (distinct long names stay distinct)."""
+    encoded = name.encode()
+    if len(encoded) <= room:
+        return name
+    digest = hashlib.sha256(encoded).hexdigest()[:16]
+    head = encoded[: max(0, room - len(digest) - 1)].decode("utf-8", "ignore")
+    return f"{head}~{digest}"
 
 
 @dataclass
 class JobReport:
     """What happened to one job reference."""
 
-    outcome: str  # ok | duplicate | superseded
+    outcome: str  # ok | duplicate | superseded; split | merged | shard (worker.fanout)
     ref: JobRef
     keys: OutputKeys | None = None
     summary: dict[str, Any] | None = None
@@ -101,7 +106,7 @@ class _Tally:
     codes: Counter[str] = field(default_factory=Counter)
 
 
-async def _raw_chunks(body: Any) -> AsyncIterator[bytes]:
+async def raw_chunks(body: Any) -> AsyncIterator[bytes]:
     while chunk := await body.read(PIECE):
         yield chunk
 
@@ -226,25 +231,30 @@ async def write_records(
 # -- S3 --------------------------------------------------------------------------------------------
 
 
-def _missing(exc: ClientError) -> bool:
+def is_missing(exc: ClientError) -> bool:
     return exc.response.get("Error", {}).get("Code") in _MISSING
 
 
-async def _exists(s3: Any, bucket: str, key: str) -> bool:
+async def exists(s3: Any, bucket: str, key: str) -> bool:
     try:
         await s3.head_object(Bucket=bucket, Key=key)
     except ClientError as exc:
-        if _missing(exc):
+        if is_missing(exc):
             return False
         raise
     return True
 
 
-async def _upload(s3: Any, settings: WorkerSettings, key: str, spool: IO[bytes]) -> None:
-    """Publish the spooled results whole: one PutObject, or parts completed in one call."""
+async def upload_spool(
+    s3: Any,
+    settings: WorkerSettings,
+    key: str,
+    spool: IO[bytes],
+    content_type: str = "application/x-ndjson",
+) -> None:
+    """Publish a spooled file whole: one PutObject, or parts completed in one call."""
     size = spool.seek(0, os.SEEK_END)
     spool.seek(0)
-    content_type = "application/x-ndjson"
     if size <= settings.multipart_threshold_mb * MiB:
         await s3.put_object(
             Bucket=settings.bucket, Key=key, Body=spool.read(), ContentType=content_type
@@ -277,6 +287,40 @@ async def _upload(s3: Any, settings: WorkerSettings, key: str, spool: IO[bytes])
         raise
 
 
+@dataclass(frozen=True)
+class Located:
+    """A job's input version (HeadObject's answer) and its output keys."""
+
+    head_kw: dict[str, Any]
+    head: dict[str, Any]
+    etag: str
+    keys: OutputKeys
+
+
+async def locate(s3: Any, ref: JobRef, settings: WorkerSettings) -> Located | JobReport:
+    """The input version a job reference names, or the report that there is nothing to do: the key
+    was overwritten since (superseded) or this version's summary exists (duplicate). Raises
+    :class:`JobRejected` when the input is gone."""
+    where = f"s3://{ref.bucket}/{ref.key}"
+    head_kw: dict[str, Any] = {"Bucket": ref.bucket, "Key": ref.key}
+    if ref.version_id:
+        head_kw["VersionId"] = ref.version_id
+    try:
+        head = await s3.head_object(**head_kw)
+    except ClientError as exc:
+        if is_missing(exc):
+            raise JobRejected(f"the input {where} no longer exists") from exc
+        raise JobFailed(f"cannot read {where}: {exc}") from exc
+    etag = normalize_etag(head["ETag"]) or ""
+    if ref.etag and ref.etag != etag:
+        # The key was overwritten after this event; the newer version has its own event.
+        return JobReport("superseded", ref)
+    keys = output_keys(settings, ref.key, etag)
+    if await exists(s3, settings.bucket, keys.summary):
+        return JobReport("duplicate", ref, keys)
+    return Located(head_kw, head, etag, keys)
+
+
 async def run_job(
     s3: Any,
     engine: Scorer,
@@ -289,35 +333,22 @@ async def run_job(
     botocore error) when it should be retried, :class:`JobRejected` when no retry can help.
     ``run`` runs engine calls off the event loop (default: ``asyncio.to_thread``)."""
     started = time.perf_counter()
+    found = await locate(s3, ref, settings)
+    if isinstance(found, JobReport):
+        return found
+    head_kw, head, etag, keys = found.head_kw, found.head, found.etag, found.keys
     where = f"s3://{ref.bucket}/{ref.key}"
-    head_kw: dict[str, Any] = {"Bucket": ref.bucket, "Key": ref.key}
-    if ref.version_id:
-        head_kw["VersionId"] = ref.version_id
-    try:
-        head = await s3.head_object(**head_kw)
-    except ClientError as exc:
-        if _missing(exc):
-            raise JobRejected(f"the input {where} no longer exists") from exc
-        raise JobFailed(f"cannot read {where}: {exc}") from exc
-    etag = normalize_etag(head["ETag"]) or ""
-    if ref.etag and ref.etag != etag:
-        # The key was overwritten after this event; the newer version has its own event.
-        return JobReport("superseded", ref)
-    keys = output_keys(settings, ref.key, etag)
-    if await _exists(s3, settings.bucket, keys.summary):
-        return JobReport("duplicate", ref, keys)
-
     try:
         response = await s3.get_object(**head_kw, IfMatch=f'"{etag}"')
     except ClientError as exc:
-        if _missing(exc):
+        if is_missing(exc):
             raise JobRejected(f"the input {where} no longer exists") from exc
         raise
     with tempfile.TemporaryFile(dir=settings.tmp_dir) as spool:
         async with response["Body"] as body:
-            items = items_for(ref.key, _raw_chunks(body), settings.max_line_bytes)
+            items = items_for(ref.key, raw_chunks(body), settings.max_line_bytes)
             tally = await write_records(engine, items, spool, settings, metrics, run)
-        await _upload(s3, settings, keys.results, spool)
+        await upload_spool(s3, settings, keys.results, spool)
     seconds = time.perf_counter() - started
     summary = {
         "input": {

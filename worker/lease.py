@@ -10,6 +10,7 @@ case SQS will show the message to another worker, so going on would process the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -21,6 +22,17 @@ from worker.policies import SQS_MAX_VISIBILITY_S, lease_extension
 from worker.settings import WorkerSettings
 
 log = structlog.get_logger("arbiter.worker")
+
+
+async def stop_together(keeper: asyncio.Task[Any], work: asyncio.Task[Any]) -> None:
+    """Cancel a heartbeat and the work it guards, and wait for both to end: whichever ended first
+    stops the other, and what either raised is read from the task afterwards, not here."""
+    for task in (keeper, work):
+        task.cancel()
+    for task in (keeper, work):
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
 
 # Answers that mean the message is no longer ours to extend (not throttling or a server error).
 _REFUSED = {"ReceiptHandleIsInvalid", "InvalidParameterValue", "MessageNotInflight"}

@@ -21,7 +21,9 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.jobs = Counter(
             "arbiter_worker_jobs_total",
-            "Jobs by outcome (ok, failed, rejected, duplicate, superseded, ignored, unreadable).",
+            "Jobs by outcome (ok, failed, rejected, duplicate, superseded, ignored, unreadable; "
+            "split: cut into shards, merged: a split job's results and summary written, "
+            "deferred: its merge is held by another worker).",
             ["outcome"],
             registry=registry,
         )
@@ -58,8 +60,29 @@ class WorkerMetrics:
             "arbiter_worker_dlq_moves_total",
             "Messages the worker sent to the dead-letter queue: after their last allowed receive "
             "failed (reason=max_receives), or at once: not a job (reason=unreadable), or a job no "
-            "retry can fix, such as a deleted input (reason=permanent).",
+            "retry can fix, such as a deleted input (reason=permanent); a copy of a shard's "
+            "message when its last allowed receive failed (reason=shard_failed).",
             ["reason"],
+            registry=registry,
+        )
+        self.shards = Counter(
+            "arbiter_worker_shards_total",
+            "Shards of split jobs by outcome: scored (ok), found done already or lost to another "
+            "attempt (duplicate), failed for good (failed), of an older split (stale).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.merges = Counter(
+            "arbiter_worker_merges_total",
+            "Merges of split jobs by outcome: results and summary written (ok), stopped because "
+            "another worker took the claim over (lost).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.merge_seconds = Histogram(
+            "arbiter_worker_merge_seconds",
+            "Wall time of a merge, from the claim to the summary written.",
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
             registry=registry,
         )
         self.restarts = Counter(

@@ -12,7 +12,11 @@ the job is stopped. A worker that dies stops renewing, and the message returns a
 
 A message given back unfinished on purpose (the drain deadline of a deploy) is sent again as a new
 message that carries its count of failed receives in a message attribute, so a release never
-counts as a failure: a healthy long job survives any number of deploys.
+counts as a failure: a healthy long job survives any number of deploys. A shard message whose job
+is being merged by another worker is given back the same way, with a delay (``Deferred``).
+
+What a job or shard message asks for is done by :class:`worker.fanout.FanOut`: small jobs run
+whole, large ones are split into shards that any worker scores and one merges.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from typing import Any
 import structlog
 
 from arbiter.scorer import Scorer
-from worker.events import Ignored, JobRef, UnreadableMessage, parse_message
-from worker.jobs import JobFailed, JobRejected, JobReport, run_job, thread_runner
-from worker.lease import Lease
+from worker.events import Ignored, JobRef, ShardRef, UnreadableMessage, parse_message
+from worker.fanout import Delivery, FanOut
+from worker.jobs import JobFailed, JobRejected, JobReport, thread_runner
+from worker.lease import Lease, stop_together
+from worker.merge import Deferred
 from worker.metrics import WorkerMetrics
 from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline, ExponentialBackoff, goes_to_dlq
 from worker.settings import WorkerSettings
@@ -104,6 +110,17 @@ class Consumer:
         self._stop = asyncio.Event()
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="arbiter-engine")
         self._run_engine = thread_runner(self._engine_thread)
+        self.fanout = FanOut(
+            settings,
+            s3,
+            sqs,
+            engine,
+            queue.url,
+            queue.max_receive_count,
+            queue.dlq_url,
+            self.metrics,
+            self._run_engine,
+        )
         self.on_job_start: Callable[[JobRef], None] | None = None
 
     def stop(self) -> None:
@@ -216,28 +233,30 @@ class Consumer:
                 self.visibility_limit_s,
             )
             keeper = asyncio.create_task(lease.keep())
-            work = asyncio.create_task(self._run_all(entries))
+            delivery = Delivery(message.get("MessageId"), count)
+            work = asyncio.create_task(self._run_all(entries, delivery))
             try:
                 await asyncio.wait({keeper, work}, return_when=asyncio.FIRST_COMPLETED)
             finally:  # whichever ends first stops the other (and a cancelled handle stops both)
-                for task in (keeper, work):
-                    task.cancel()
-                for task in (keeper, work):
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await task
+                await stop_together(keeper, work)
             if work.cancelled():
                 lost = keeper.exception()
                 reason = keeper.result() if lost is None else f"the heartbeat failed: {lost!r}"
                 log.error("job.lease_lost", reason=reason)
                 await self._fail(message, count, JobFailed(reason))
-            elif (error := work.exception()) is not None:
+            elif isinstance(error := work.exception(), Deferred):
+                self.metrics.jobs.labels("deferred").inc()
+                await self._release(message, delay_s=error.seconds, reason=str(error))
+            elif error is not None:
                 await self._fail(message, count, error)
             elif work.result():
                 await self._dead_letter(message, "permanent")
             else:
                 await self._delete(message)
 
-    async def _run_all(self, entries: list[JobRef | Ignored]) -> list[str]:
+    async def _run_all(
+        self, entries: list[JobRef | ShardRef | Ignored], delivery: Delivery
+    ) -> list[str]:
         """Run the message's jobs in turn; the reasons of those rejected for good."""
         rejected = []
         for entry in entries:
@@ -246,29 +265,31 @@ class Consumer:
                 self.metrics.jobs.labels("ignored").inc()
                 continue
             try:
-                await self._run(entry)
+                await self._run(entry, delivery)
             except JobRejected as exc:
                 log.error("job.rejected", key=entry.key, reason=str(exc))
                 self.metrics.jobs.labels("rejected").inc()
                 rejected.append(str(exc))
         return rejected
 
-    async def _run(self, ref: JobRef) -> JobReport:
+    async def _run(self, ref: JobRef | ShardRef, delivery: Delivery) -> JobReport:
         started = time.perf_counter()
+        what = "shard" if isinstance(ref, ShardRef) else "job"
         with structlog.contextvars.bound_contextvars(bucket=ref.bucket, key=ref.key, etag=ref.etag):
-            log.info("job.started")
-            if self.on_job_start is not None:
+            log.info(f"{what}.started")
+            if self.on_job_start is not None and isinstance(ref, JobRef):
                 self.on_job_start(ref)
-            report = await run_job(
-                self.s3, self.engine, ref, self.settings, self.metrics, self._run_engine
-            )
+            report = await self.fanout.run(ref, delivery)
             seconds = time.perf_counter() - started
-            self.metrics.jobs.labels(report.outcome).inc()
+            if report.outcome != "shard":
+                self.metrics.jobs.labels(report.outcome).inc()
             if report.outcome == "ok":
                 self.metrics.job_seconds.observe(seconds)
+            elif report.outcome == "merged" and report.summary:
+                self.metrics.job_seconds.observe(report.summary["seconds"]["total"])
             summary = report.summary or {}
             log.info(
-                "job.finished",
+                f"{what}.finished",
                 outcome=report.outcome,
                 results=report.keys.results if report.keys else None,
                 lines=summary.get("lines"),
@@ -295,20 +316,26 @@ class Consumer:
         if to_dlq and self.queue.dlq_url:
             # Moved by the worker, not left to the redrive policy: the count includes failed
             # receives carried over from before a release, which SQS's own count does not.
+            why = f"{type(exc).__name__}: {exc}"
+            await self.fanout.give_up(message["Body"], why, receive_count)
             await self._dead_letter(message, "max_receives")
             return
         await self._set_visibility(message, delay)
 
-    async def _release(self, message: dict[str, Any]) -> None:
-        """Give the message back at once (drain deadline passed) for another worker: sent again as
-        a new message carrying its failed receives, then deleted, so the release is not counted as
-        a receive that failed. If the copy cannot be sent, it is made visible instead."""
+    async def _release(
+        self, message: dict[str, Any], delay_s: int = 0, reason: str | None = None
+    ) -> None:
+        """Give the message back (drain deadline passed: at once; a merge held elsewhere: after
+        ``delay_s``) for another worker: sent again as a new message carrying its failed receives,
+        then deleted, so the release is not counted as a receive that failed. If the copy cannot be
+        sent, it is made visible instead (after the delay)."""
         failed = receive_count(message) - 1
         try:
             await asyncio.shield(
                 self.sqs.send_message(
                     QueueUrl=self.queue.url,
                     MessageBody=message["Body"],
+                    DelaySeconds=delay_s,
                     MessageAttributes={
                         FAILED_RECEIVES: {"DataType": "Number", "StringValue": str(failed)}
                     },
@@ -316,11 +343,14 @@ class Consumer:
             )
         except Exception as exc:
             log.warning("release.resend_failed", error=f"{type(exc).__name__}: {exc}")
-            await self._set_visibility(message, 0)
+            await self._set_visibility(message, delay_s)
         else:
             with contextlib.suppress(Exception):  # a copy left over is a harmless duplicate
                 await self._delete(message)
-        log.info("job.released")
+        if delay_s:
+            log.info("job.deferred", retry_in_s=delay_s, reason=reason)
+        else:
+            log.info("job.released")
 
     async def _set_visibility(self, message: dict[str, Any], seconds: int) -> None:
         try:

@@ -106,6 +106,24 @@ class WorkerSettings(BaseSettings):
     part_size_mb: float = Field(
         default=8.0, ge=5, description="Multipart part size (S3's minimum is 5 MiB)."
     )
+    shard_lines: int = Field(
+        default=1000,
+        ge=0,
+        description="A job with more lines is split into shards of about this many lines, scored "
+        "by any worker and merged in order (~4 min each at 4 decisions/s); 0: never split.",
+    )
+    shard_prefix: str = Field(
+        default="shards/",
+        min_length=1,
+        max_length=256,
+        description="Where a split job's shard inputs, outputs and markers live while it runs.",
+    )
+    merge_claim_ttl_s: float = Field(
+        default=120.0,
+        ge=1,
+        le=3600,
+        description="A merge claim not renewed for this long may be taken over by another worker.",
+    )
     tmp_dir: str | None = Field(
         default=None, description="Where results are spooled before upload."
     )
@@ -122,6 +140,13 @@ class WorkerSettings(BaseSettings):
                 f"output_prefix {b!r} and input_prefix {a!r} overlap: results would be "
                 "picked up as new jobs"
             )
+        for name, other in (("input_prefix", a), ("output_prefix", b)):
+            c = self.shard_prefix
+            if c.startswith(other) or other.startswith(c):
+                raise ValueError(
+                    f"shard_prefix {c!r} and {name} {other!r} overlap: shards would be picked up "
+                    "as jobs or mixed with results"
+                )
         return self
 
     @model_validator(mode="after")

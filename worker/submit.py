@@ -1,27 +1,46 @@
-"""`arbiter submit`: drop a job file into the input prefix and wait for its summary."""
+"""`arbiter submit`: drop a job file into the input prefix and wait for its summary.
+
+A job large enough to be split into shards shows its progress meanwhile: a bar on stderr, read
+from the job's status object (shards and lines done, lines failed, ETA).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from aiobotocore.session import get_session
-from botocore.exceptions import ClientError
+from tqdm import tqdm
 
 from worker.events import normalize_etag
 from worker.jobs import output_keys
 from worker.settings import WorkerSettings
+from worker.shards import get_json
+from worker.status import status_key
+
+
+def _show(bar: tqdm[Any], doc: dict[str, Any]) -> None:
+    shards = doc["shards"]
+    bar.total = doc["lines"]["total"]
+    bar.update(doc["lines"]["done"] - bar.n)  # the rate counts lines done while watched
+    failed = f", {doc['lines']['failed']} lines failed" if doc["lines"]["failed"] else ""
+    bar.set_postfix_str(f"{shards['done'] + shards['failed']}/{shards['total']} shards{failed}")
 
 
 async def submit(
-    settings: WorkerSettings, path: Path, *, key: str | None = None, timeout_s: float = 900.0
+    settings: WorkerSettings,
+    path: Path,
+    *,
+    key: str | None = None,
+    timeout_s: float = 900.0,
+    progress: bool = True,
 ) -> dict[str, Any] | None:
     """Upload ``path``; return the job's summary once written, or None after ``timeout_s``."""
     key = key or f"{settings.input_prefix}{path.name}"
+    bar: tqdm[Any] | None = None
     async with get_session().create_client("s3", **settings.client_kwargs()) as s3:
         data = await asyncio.to_thread(path.read_bytes)
         put = await s3.put_object(Bucket=settings.bucket, Key=key, Body=data)
@@ -30,15 +49,31 @@ async def submit(
         print(f"submitted s3://{settings.bucket}/{key} (etag {etag})", file=sys.stderr)
         print(f"waiting for s3://{settings.bucket}/{keys.summary}", file=sys.stderr)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                got = await s3.get_object(Bucket=settings.bucket, Key=keys.summary)
-            except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") not in {"NoSuchKey", "404"}:
-                    raise
+        try:
+            while time.monotonic() < deadline:
+                got = await get_json(s3, settings.bucket, keys.summary)
+                if got is not None:
+                    summary: dict[str, Any] = got[0]
+                    if bar is not None:
+                        final = await get_json(s3, settings.bucket, status_key(keys))
+                        if final is not None:
+                            _show(bar, final[0])
+                        bar.refresh()
+                    return summary
+                if progress:
+                    doc = await get_json(s3, settings.bucket, status_key(keys))
+                    if doc is not None:
+                        bar = bar or tqdm(
+                            desc="lines",
+                            unit="line",
+                            file=sys.stderr,
+                            initial=doc[0]["lines"]["done"],
+                            total=doc[0]["lines"]["total"],
+                        )
+                        _show(bar, doc[0])
+                        bar.refresh()
                 await asyncio.sleep(0.5)
-                continue
-            async with got["Body"] as body:
-                summary: dict[str, Any] = json.loads(await body.read())
-            return summary
+        finally:
+            if bar is not None:
+                bar.close()
     return None

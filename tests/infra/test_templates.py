@@ -71,6 +71,15 @@ def test_templates_fit_in_a_create_stack_call():
         assert len(path.read_bytes()) < 51_200, f"{path.name}: TemplateBody limit"
 
 
+def test_abandoned_shards_expire_and_queued_shards_wait_as_long(data: dict[str, Any]):
+    rules = {r["Id"]: r for r in props(data, "Bucket")["LifecycleConfiguration"]["Rules"]}
+    shards = rules["expire-abandoned-shards"]
+    assert shards["Prefix"] == {"Ref": "ShardPrefix"} and shards["Status"] == "Enabled"
+    retention_days = props(data, "JobQueue")["MessageRetentionPeriod"] / 86400
+    assert shards["ExpirationInDays"] >= retention_days
+    assert data["Parameters"]["ShardPrefix"]["Default"] == WorkerSettings().shard_prefix
+
+
 def test_s3_notification_queue_and_redrive(data: dict[str, Any]):
     bucket = props(data, "Bucket")
     [notification] = bucket["NotificationConfiguration"]["QueueConfigurations"]
@@ -136,13 +145,21 @@ def test_image_pattern_refuses_tags(serving: dict[str, Any]):
 
 
 def test_worker_role_is_least_privilege(serving: dict[str, Any]):
-    """Read the input prefix and the model, write the output prefix, use the queue: nothing else."""
+    """Read the input prefix and the model, write the output prefix, keep shards under the shard
+    prefix, use the queue: nothing else."""
     granted = statements(serving["Resources"]["WorkerTaskRole"])
     assert {sid: actions(s) for sid, s in granted.items()} == {
         "ReadJobsAndModel": {"s3:GetObject"},
         "WriteResults": {"s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"},
-        "ListResultsOnly": {"s3:ListBucket"},
+        "WorkShards": {
+            "s3:GetObject",
+            "s3:PutObject",
+            "s3:DeleteObject",
+            "s3:AbortMultipartUpload",
+        },
+        "ListResultsAndShardsOnly": {"s3:ListBucket"},
         "ConsumeJobs": {
+            "sqs:SendMessage",
             "sqs:ReceiveMessage",
             "sqs:DeleteMessage",
             "sqs:ChangeMessageVisibility",
@@ -163,7 +180,10 @@ def test_worker_role_is_least_privilege(serving: dict[str, Any]):
     assert input_prefix == {"Fn::ImportValue": {"Fn::Sub": "${DataStack}-InputPrefix"}}
     output_prefix = granted["WriteResults"]["Resource"]["Fn::Sub"][1]["Prefix"]
     assert output_prefix == {"Fn::ImportValue": {"Fn::Sub": "${DataStack}-OutputPrefix"}}
-    assert "s3:prefix" in granted["ListResultsOnly"]["Condition"]["StringLike"]
+    shard_prefix = granted["WorkShards"]["Resource"]["Fn::Sub"][1]["Prefix"]
+    assert shard_prefix == {"Fn::ImportValue": {"Fn::Sub": "${DataStack}-ShardPrefix"}}
+    listed = granted["ListResultsAndShardsOnly"]["Condition"]["StringLike"]["s3:prefix"]
+    assert [p["Fn::Sub"][1]["Prefix"] for p in listed] == [output_prefix, shard_prefix]
 
 
 def test_no_wildcard_grants_beyond_the_unscopable(serving: dict[str, Any]):
@@ -191,6 +211,9 @@ def test_worker_pool_scales_on_queue_depth_to_zero(serving: dict[str, Any]):
     names = {m["MetricStat"]["Metric"]["MetricName"] for m in idle["Metrics"] if "MetricStat" in m}
     # In-flight jobs count too: a task holding a job is never scaled away.
     assert names == {"ApproximateNumberOfMessagesVisible", "ApproximateNumberOfMessagesNotVisible"}
+    out = props(serving, "WorkerScaleOut")["StepScalingPolicyConfiguration"]["StepAdjustments"]
+    # A large job's shards (hundreds of messages) add tasks ten at a time.
+    assert [s["ScalingAdjustment"] for s in out] == [1, 4, 10]
     [step] = props(serving, "WorkerScaleToZero")["StepScalingPolicyConfiguration"][
         "StepAdjustments"
     ]

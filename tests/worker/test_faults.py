@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tests.aws import aws_clients, list_keys, queue_counts, read_object, receive_all, wait_for
+from tests.aws import (
+    aws_clients,
+    list_keys,
+    queue_counts,
+    read_object,
+    receive_all,
+    s3_notification,
+    wait_for,
+)
 from tests.fakes import FakeEngine, decision_line
 from tests.worker.support import make_consumer, sample, settings_for
 from worker.events import JobRef, UnreadableMessage, parse_message
@@ -24,12 +32,7 @@ DEEP = "[" * 50_000 + "]" * 50_000
 async def _job_message(s3: Any, sqs: Any, url: str, key: str, body: bytes) -> dict[str, Any]:
     """Put a job and receive its S3 notification (S3's test event is dropped)."""
     await s3.put_object(Bucket="jobs", Key=key, Body=body)
-    for _ in range(10):
-        for message in await receive_all(sqs, url, wait=1):
-            if "Records" in message["Body"]:
-                return message
-            await sqs.delete_message(QueueUrl=url, ReceiptHandle=message["ReceiptHandle"])
-    raise AssertionError("no S3 notification arrived")
+    return await s3_notification(sqs, url)
 
 
 # -- settings and message bodies -------------------------------------------------------------------

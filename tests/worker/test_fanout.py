@@ -1,0 +1,732 @@
+"""Fan-out on moto (server mode) with consumers in this process: a large job is split into shards,
+scored by several consumers and merged once, in input order, into the single path's records. The
+races (two last shards at once, a duplicate shard or job delivery, a merger killed between steps),
+a shard that fails for good, progress, and the merge's part plan."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from arbiter.engine import Engine
+from arbiter.errors import MalformedRequest, PayloadTooLarge
+from tests import ROOT
+from tests.aws import aws_clients, list_keys, read_object, receive_all
+from tests.fakes import FakeEngine, decision_line
+from tests.worker.fanout_support import (
+    fanout_settings,
+    job_body,
+    job_lines,
+    job_message,
+    make_consumer,
+    outputs,
+    pending,
+    run_until_done,
+    sample,
+    shard_messages,
+    single_path,
+    stripped,
+    versions,
+)
+from worker import fanout, merge, status
+from worker.events import JobRef, ShardRef, UnreadableMessage, parse_message
+from worker.jobs import Located, locate
+from worker.merge import Merger, plan_parts
+from worker.settings import WorkerSettings
+from worker.shards import (
+    Manifest,
+    ShardKeys,
+    ShardSpan,
+    frame,
+    shard_keys,
+    split_job,
+    unframe,
+)
+from worker.stack import ensure_stack
+
+MiB = 1024 * 1024
+
+
+async def _stack(s3: Any, sqs: Any, settings: WorkerSettings) -> dict[str, str]:
+    stack = await ensure_stack(s3, sqs, settings)
+    # Versioned, so that "written once" can be counted: every write of a key is a version.
+    await s3.put_bucket_versioning(Bucket="jobs", VersioningConfiguration={"Status": "Enabled"})
+    return stack
+
+
+async def _put(s3: Any, key: str, body: bytes) -> str:
+    put = await s3.put_object(Bucket="jobs", Key=key, Body=body)
+    return str(put["ETag"]).strip('"')
+
+
+# -- the whole path --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".json"])
+async def test_a_job_split_into_shards_gives_the_single_paths_records(
+    endpoint: str, suffix: str
+) -> None:
+    settings = fanout_settings(endpoint, shard_lines=7)
+    key = f"incoming/big{suffix}"
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await _stack(s3, sqs, settings)
+        etag = await _put(s3, key, job_body(job_lines(60), suffix))
+        alone = await single_path(s3, settings, key, FakeEngine())
+        keys = outputs(settings, key, etag)
+        made = [await make_consumer(settings, s3, sqs, FakeEngine()) for _ in range(3)]
+        await run_until_done([c for c, _ in made], s3, sqs, stack["queue_url"], keys.summary)
+        merged = await read_object(s3, "jobs", keys.results)
+        summary = json.loads(await read_object(s3, "jobs", keys.summary))
+        progress = json.loads(await read_object(s3, "jobs", status.status_key(keys)))
+        left = await list_keys(s3, "jobs", "shards/")
+    assert stripped(merged) == stripped(alone)  # the same records, line for line
+    assert summary["shards"]["count"] >= 8 and summary["shards"]["failed"] == []
+    bad = 3 if suffix == ".json" else 4
+    assert summary["lines"] == len(stripped(alone)) == 60 + bad
+    assert summary["failed"] == bad and summary["ok"] == 60
+    assert progress["state"] == "done" and progress["shards"]["done"] == summary["shards"]["count"]
+    assert progress["lines"] == {"total": 60 + bad, "done": 60 + bad, "failed": bad}
+    assert left == []  # shard inputs, outputs and markers are gone
+    registries = [r for _, r in made]
+    assert sample(registries, "arbiter_worker_jobs_total", outcome="split") == 1
+    assert sample(registries, "arbiter_worker_jobs_total", outcome="merged") == 1
+    assert (
+        sample(registries, "arbiter_worker_shards_total", outcome="ok")
+        == summary["shards"]["count"]
+    )
+    assert sample(registries, "arbiter_worker_merges_total", outcome="ok") == 1
+
+
+async def test_a_job_within_one_shard_runs_whole_as_before(endpoint: str) -> None:
+    settings = fanout_settings(endpoint, shard_lines=30)
+    body = "\n".join(decision_line(i) for i in range(30)).encode()
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await _stack(s3, sqs, settings)
+        etag = await _put(s3, "incoming/small.jsonl", body)
+        keys = outputs(settings, "incoming/small.jsonl", etag)
+        consumer, registry = await make_consumer(settings, s3, sqs, FakeEngine())
+        await run_until_done([consumer], s3, sqs, stack["queue_url"], keys.summary)
+        summary = json.loads(await read_object(s3, "jobs", keys.summary))
+        everything = await list_keys(s3, "jobs")
+    assert "shards" not in summary and summary["lines"] == 30
+    assert sorted(everything) == sorted(["incoming/small.jsonl", keys.results, keys.summary])
+    assert sample([registry], "arbiter_worker_jobs_total", outcome="ok") == 1
+    assert sample([registry], "arbiter_worker_shards_total", outcome="ok") == 0
+
+
+async def test_shard_boundaries_are_a_function_of_the_input(endpoint: str) -> None:
+    settings = fanout_settings(endpoint, shard_lines=8)
+    lines = job_lines(70, run=5)
+    async with aws_clients(endpoint) as (s3, sqs):
+        await _stack(s3, sqs, settings)
+        etag = await _put(s3, "incoming/same.jsonl.gz", job_body(lines, ".jsonl.gz"))
+        ref = JobRef("jobs", "incoming/same.jsonl.gz")
+        found = await locate(s3, ref, settings)
+        assert isinstance(found, Located) and found.etag == etag
+        splits = []
+        for base in ("shards/a/", "shards/b/"):
+            keys = ShardKeys(base)
+            result = await split_job(s3, ref, found, keys, settings)
+            assert result is not None and result.mine
+            inputs = [
+                await read_object(s3, "jobs", keys.input(result.manifest.split, s.index))
+                for s in result.manifest.shards
+            ]
+            splits.append((result.manifest, inputs))
+    (first, inputs_a), (second, inputs_b) = splits
+    assert first.split != second.split
+    assert first.shards == second.shards and inputs_a == inputs_b
+    assert sum(s.items for s in first.shards) == first.items == 70 + 4
+    # A run of 5 lines of one state stays in one shard when the cut can move by 2 (a quarter of 8).
+    state = {
+        n: json.loads(x)["state"] for n, x in enumerate(lines, 1) if x.startswith(b'{"id": "d')
+    }
+    for span in first.shards[1:]:
+        previous = first.shards[span.index - 1]
+        before, after = state.get(previous.last), state.get(span.first)
+        moved_all_it_could = previous.items - 8 == 2
+        assert before is None or before != after or moved_all_it_could, span
+
+
+async def test_shard_records_match_the_single_path_with_the_real_engine(
+    endpoint: str, engine: Engine
+) -> None:
+    settings = fanout_settings(endpoint, shard_lines=6, max_line_bytes=64 * 1024)
+    questions = ["Which team should handle it?", "How urgent is it?", "Refund or replace?"]
+    states = [
+        f"Ticket {s}: the customer reports problem number {s * 7} since Monday." for s in range(7)
+    ]
+    body = "\n".join(
+        decision_line(i, state=states[i // 3], question=questions[i % 3]) for i in range(21)
+    ).encode()
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await _stack(s3, sqs, settings)
+        etag = await _put(s3, "incoming/real.jsonl", body)
+        keys = outputs(settings, "incoming/real.jsonl", etag)
+        engine.cache.clear()
+        alone = stripped(await single_path(s3, settings, "incoming/real.jsonl", engine))
+        engine.cache.clear()
+        consumer, _ = await make_consumer(settings, s3, sqs, engine)
+        await run_until_done([consumer], s3, sqs, stack["queue_url"], keys.summary, within_s=240)
+        summary = json.loads(await read_object(s3, "jobs", keys.summary))
+        merged = stripped(await read_object(s3, "jobs", keys.results))
+    assert summary["shards"]["count"] == 4 and summary["ok"] == 21
+    assert summary["shards"]["prefix_reuse"]["runs_cut_by_shards"] == 0  # runs of 3 kept whole
+    assert len(merged) == len(alone) == 21
+    worst = 0.0
+    for got, want in zip(merged, alone, strict=True):
+        a, b = got.pop("result"), want.pop("result")
+        assert got == want  # line and id
+        pa, pb = a.pop("probabilities"), b.pop("probabilities")
+        worst = max(worst, *(abs(x - y) for x, y in zip(pa, pb, strict=True)))
+        for field in ("option_logits", "allowed_mass", "choice"):
+            a.pop(field), b.pop(field)
+        assert a == b  # ids, prompt (sha256, tokens), model, status: equal
+    print(f"largest probability difference, shards vs one worker: {worst:.2e}")
+    assert worst <= 1e-3
+
+
+# -- races -----------------------------------------------------------------------------------------
+
+
+def _barrier_on(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, parties: int = 2) -> None:
+    """The next ``parties`` calls of ``owner.name`` wait for one another, then go on together."""
+    original = getattr(owner, name)
+    barrier = asyncio.Barrier(parties)
+    calls = [0]
+
+    async def gated(*args: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        if calls[0] <= parties:
+            await asyncio.wait_for(barrier.wait(), 20)
+        return await original(*args, **kw)
+
+    monkeypatch.setattr(owner, name, gated)
+
+
+async def _split(
+    s3: Any, sqs: Any, url: str, settings: WorkerSettings, consumer: Any, n: int, key: str
+) -> tuple[Any, dict[int, dict[str, Any]]]:
+    """Drop a job of ``n`` lines, split it with ``consumer``; its keys and its shard messages."""
+    body = "\n".join(decision_line(i, state=f"S{i}") for i in range(n)).encode()
+    etag = await _put(s3, key, body)
+    await consumer.handle(await job_message(sqs, url))
+    count = -(-n // settings.shard_lines)
+    return outputs(settings, key, etag), await shard_messages(sqs, url, count)
+
+
+async def test_two_workers_finishing_the_last_two_shards_at_once_merge_once(
+    endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = fanout_settings(endpoint, shard_lines=4)
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await _stack(s3, sqs, settings)
+        url = stack["queue_url"]
+        (a, ra), (b, rb) = [await make_consumer(settings, s3, sqs, FakeEngine()) for _ in "ab"]
+        keys, messages = await _split(s3, sqs, url, settings, a, 16, "incoming/race.jsonl")
+        await a.handle(messages[0])
+        await a.handle(messages[1])
+        # Both finish their shard, then both list the markers: both find all four done.
+        _barrier_on(monkeypatch, fanout, "finished_shards")
+        await asyncio.gather(a.handle(messages[2]), b.handle(messages[3]))
+        assert sample([ra, rb], "arbiter_worker_jobs_total", outcome="deferred") == 1
+        await run_until_done([a, b], s3, sqs, url, keys.summary)  # the deferred one comes back
+        alone = await single_path(s3, settings, "incoming/race.jsonl", FakeEngine())
+        merged = await read_object(s3, "jobs", keys.results)
+        written = (await versions(s3, keys.results), await versions(s3, keys.summary))
+    assert written == (1, 1)
+    assert sample([ra, rb], "arbiter_worker_merges_total", outcome="ok") == 1
+    assert sample([ra, rb], "arbiter_worker_jobs_total", outcome="merged") == 1
+    assert stripped(merged) == stripped(alone)
+
+
+async def test_two_merges_without_the_claim_still_write_the_results_once(
+    endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim only spares work: the conditional completion alone keeps the results single."""
+    take = merge.Claim.take.__func__  # type: ignore[attr-defined]
+
+    async def everyone_wins(cls: Any, s3: Any, bucket: str, key: str, *rest: Any) -> Any:
+        return await take(cls, s3, bucket, f"{key}.{id(asyncio.current_task())}", *rest)
+
+    monkeypatch.setattr(merge.Claim, "take", classmethod(everyone_wins))
+    settings = fanout_settings(endpoint, shard_lines=4)
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await _stack(s3, sqs, settings)
+        url = stack["queue_url"]
+        (a, _), (b, _) = [await make_consumer(settings, s3, sqs, FakeEngine()) for _ in "ab"]
+        keys, messages = await _split(s3, sqs, url, settings, a, 12, "incoming/noclaim.jsonl")
+        await a.handle(messages[0])
+        _barrier_on(monkeypatch, fanout, "finished_shards")
+        _barrier_on(monkeypatch, Merger, "_complete")  # both complete at the same moment
+        await asyncio.gather(a.handle(messages[1]), b.handle(messages[2]))
+        assert await pending(sqs, url) == 0
+        written = (await versions(s3, keys.results), await versions(s3, keys.summary))
+        merged = await read_object(s3, "jobs", keys.results)
+        uploads = await s3.list_multipart_uploads(Bucket="jobs")
+    assert written == (1, 1)
+    assert not uploads.get("Uploads")  # the losing upload was aborted
+    assert [r["line"] for r in stripped(merged)] == list(range(1, 13))
+
+
+async def test_a_duplicate_shard_delivery_is_published_once(endpoint: str) -> None:
+    settings = fanout_settings(endpoint, shard_lines=4)
+    barrier = threading.Barrier(2, timeout=20)
+
+    class Together(FakeEngine):
+        def score(self, decisions: Any) -> Any:
+            if self.calls == 0:
+                barrier.wait()  # both copies of shard 0 are scored at the same moment
+            return super().score(decisions)
+
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await _stack(s3, sqs, settings)
+        url = stack["queue_url"]
+        a, ra = await make_consumer(settings, s3, sqs, FakeEngine())
+        keys, messages = await _split(s3, sqs, url, settings, a, 12, "incoming/dup.jsonl")
+        await sqs.send_message(QueueUrl=url, MessageBody=messages[0]["Body"])
+        [copy] = await receive_all(sqs, url, wait=1)
+        (c1, r1), (c2, r2) = [await make_consumer(settings, s3, sqs, Together()) for _ in "12"]
+        await asyncio.gather(c1.handle(messages[0]), c2.handle(copy))
+        skeys = shard_keys(settings, "incoming/dup.jsonl", keys.results.split(".")[-3])
+        published = await list_keys(s3, "jobs", f"{skeys.base}out/00000.")
+        await a.handle(messages[1])
+        await a.handle(messages[2])
+        alone = await single_path(s3, settings, "incoming/dup.jsonl", FakeEngine())
+        merged = await read_object(s3, "jobs", keys.results)
+    assert len(published) == 1  # the losing attempt deleted its own output
+    registries = [ra, r1, r2]
+    assert sample(registries, "arbiter_worker_shards_total", outcome="ok") == 3
+    assert sample(registries, "arbiter_worker_shards_total", outcome="duplicate") == 1
+    assert stripped(merged) == stripped(alone)
+
+
+async def test_a_duplicate_job_delivery_splits_once(
+    endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = fanout_settings(endpoint, shard_lines=4)
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await _stack(s3, sqs, settings)
+        url = stack["queue_url"]
+        body = "\n".join(decision_line(i, state=f"S{i}") for i in range(12)).encode()
+        etag = await _put(s3, "incoming/twice.jsonl", body)
+        first = await job_message(sqs, url)
+        await sqs.send_message(QueueUrl=url, MessageBody=first["Body"])  # S3 sent it twice
+        [second] = await receive_all(sqs, url, wait=1)
+        (a, ra), (b, rb) = [await make_consumer(settings, s3, sqs, FakeEngine()) for _ in "ab"]
+        _barrier_on(monkeypatch, fanout, "read_manifest")  # both find no manifest, both split
+        await asyncio.gather(a.handle(first), b.handle(second))
+        sent = await shard_messages(sqs, url, 3)
+        extra = await receive_all(sqs, url, wait=1)
+        skeys = shard_keys(settings, "incoming/twice.jsonl", etag)
+        manifest = json.loads(await read_object(s3, "jobs", skeys.manifest))
+        inputs = await list_keys(s3, "jobs", skeys.base)
+        for message in sent.values():
+            await sqs.change_message_visibility(
+                QueueUrl=url, ReceiptHandle=message["ReceiptHandle"], VisibilityTimeout=0
+            )
+        keys = outputs(settings, "incoming/twice.jsonl", etag)
+        await run_until_done([a, b], s3, sqs, url, keys.summary)
+        merged = await read_object(s3, "jobs", keys.results)
+    assert extra == []  # three shard messages, not six
+    assert {json.loads(m["Body"])["split"] for m in sent.values()} == {manifest["split"]}
+    assert [k for k in inputs if "/in/" in k] == [
+        f"{skeys.base}{manifest['split']}/in/{i:05d}" for i in range(3)
+    ]  # the losing split's inputs are gone
+    assert sample([ra, rb], "arbiter_worker_jobs_total", outcome="split") == 1
+    assert sample([ra, rb], "arbiter_worker_jobs_total", outcome="duplicate") == 1
+    assert [r["line"] for r in stripped(merged)] == list(range(1, 13))
+
+
+KILLED_AT_STEP = """
+import asyncio, os, signal, sys
+from prometheus_client import CollectorRegistry
+from tests.aws import aws_clients
+from tests.fakes import FakeEngine
+from worker.metrics import WorkerMetrics
+from worker.queue import Consumer, describe_queue
+from worker.settings import WorkerSettings
+
+async def main(settings_json, step):
+    settings = WorkerSettings.model_validate_json(settings_json)
+    async with aws_clients(settings.aws_endpoint_url) as (s3, sqs):
+        queue = await describe_queue(sqs, settings)
+        metrics = WorkerMetrics(CollectorRegistry())
+        consumer = Consumer(settings, s3, sqs, FakeEngine(), queue, metrics)
+
+        def die(name):
+            if name == step:
+                print("killed at", name, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        consumer.fanout.merger.on_step = die
+        await consumer.run()
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize(
+    "step", ["claimed", "parts_uploaded", "results_written", "summary_written"]
+)
+async def test_a_merger_killed_between_steps_is_followed_by_one_that_finishes(
+    endpoint: str, step: str
+) -> None:
+    # The claim lasts 60 s: the job must be finished well before it could expire.
+    settings = fanout_settings(
+        endpoint, shard_lines=5, visibility_timeout_s=2, heartbeat_s=1, merge_claim_ttl_s=60
+    )
+    body = "\n".join(decision_line(i, state=f"S{i}") for i in range(20)).encode()
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await _stack(s3, sqs, settings)
+        etag = await _put(s3, "incoming/killed.jsonl", body)
+        keys = outputs(settings, "incoming/killed.jsonl", etag)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "AWS_ACCESS_KEY_ID": "testing"}
+        env["AWS_SECRET_ACCESS_KEY"] = "testing"
+        proc = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-c", KILLED_AT_STEP, settings.model_dump_json(), step],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr[-3000:]
+        killed_at = time.monotonic()
+        results_before = await versions(s3, keys.results)
+        consumer, _ = await make_consumer(settings, s3, sqs, FakeEngine())
+        await run_until_done([consumer], s3, sqs, stack["queue_url"], keys.summary)
+        finished_in = time.monotonic() - killed_at
+        written = (await versions(s3, keys.results), await versions(s3, keys.summary))
+        merged = await read_object(s3, "jobs", keys.results)
+        uploads = await s3.list_multipart_uploads(Bucket="jobs")
+        left = await list_keys(s3, "jobs", "shards/")
+    print(f"killed at {step}: finished {finished_in:.1f} s later (claim TTL 60 s)")
+    assert results_before == (0 if step in ("claimed", "parts_uploaded") else 1)
+    assert written == (1, 1)
+    assert [r["line"] for r in stripped(merged)] == list(range(1, 21))
+    assert not uploads.get("Uploads") and left == []
+    assert finished_in < 30  # taken over when its message came back, not when the claim expired
+
+
+async def test_a_merge_stopped_at_a_drain_is_taken_over_at_once(endpoint: str) -> None:
+    settings = fanout_settings(endpoint, shard_lines=4, merge_claim_ttl_s=60, drain_deadline_s=0.2)
+    body = "\n".join(decision_line(i, state=f"S{i}") for i in range(12)).encode()
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await _stack(s3, sqs, settings)
+        etag = await _put(s3, "incoming/drained.jsonl", body)
+        keys = outputs(settings, "incoming/drained.jsonl", etag)
+        a, _ = await make_consumer(settings, s3, sqs, FakeEngine())
+        merging = asyncio.Event()
+
+        async def stuck(*args: Any) -> Any:
+            merging.set()
+            await asyncio.sleep(3600)  # a merge far longer than the drain deadline
+
+        a.fanout.merger._results = stuck  # type: ignore[method-assign]
+        task = asyncio.create_task(a.run())
+        await asyncio.wait_for(merging.wait(), 30)
+        a.stop()  # a deploy: SIGTERM
+        await asyncio.wait_for(task, 10)
+        claim = json.loads(
+            await read_object(
+                s3, "jobs", shard_keys(settings, "incoming/drained.jsonl", etag).claim
+            )
+        )
+        stopped_at = time.monotonic()
+        b, _ = await make_consumer(settings, s3, sqs, FakeEngine())
+        await run_until_done([b], s3, sqs, stack["queue_url"], keys.summary)
+        took = time.monotonic() - stopped_at
+        written = (await versions(s3, keys.results), await versions(s3, keys.summary))
+        uploads = await s3.list_multipart_uploads(Bucket="jobs")
+    assert claim["released"] is True and claim["expires_at"] < time.time()
+    assert written == (1, 1) and not uploads.get("Uploads")
+    assert took < 20, took  # not the 60 s claim TTL
+
+
+# -- failure and progress --------------------------------------------------------------------------
+
+
+class PoisonEngine(FakeEngine):
+    """Raises on any batch that holds a decision whose state is ``POISON``."""
+
+    def score(self, decisions: Any) -> Any:
+        if any(d.state == "POISON" for d in decisions):
+            raise RuntimeError("this engine cannot score poison")
+        return super().score(decisions)
+
+
+async def test_a_shard_that_fails_on_every_receive_is_named_in_the_summary(endpoint: str) -> None:
+    settings = fanout_settings(endpoint, shard_lines=4, max_receive_count=2)
+    states = ["A", "B", "C", "D", *["POISON"] * 4, "E", "F", "G", "H"]
+    body = "\n".join(decision_line(i, state=s) for i, s in enumerate(states)).encode()
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await _stack(s3, sqs, settings)
+        etag = await _put(s3, "incoming/poison.jsonl", body)
+        keys = outputs(settings, "incoming/poison.jsonl", etag)
+        consumer, registry = await make_consumer(settings, s3, sqs, PoisonEngine())
+        await run_until_done([consumer], s3, sqs, stack["queue_url"], keys.summary)
+        summary = json.loads(await read_object(s3, "jobs", keys.summary))
+        records = stripped(await read_object(s3, "jobs", keys.results))
+        progress = json.loads(await read_object(s3, "jobs", status.status_key(keys)))
+        dead = await receive_all(sqs, stack["dlq_url"], wait=1)
+    [failed] = summary["shards"]["failed"]
+    assert (failed["index"], failed["first_line"], failed["last_line"]) == (1, 5, 8)
+    assert failed["receives"] == 2 and "every decision" in failed["error"]
+    assert summary["errors_by_code"] == {"shard_failed": 4} and summary["failed"] == 4
+    assert [r["line"] for r in records] == list(range(1, 13))
+    assert [(r["id"], r["error"]["code"]) for r in records[4:8]] == [
+        (f"d{i}", "shard_failed") for i in range(4, 8)
+    ]
+    assert all("result" in r for r in records[:4] + records[8:])
+    assert progress["state"] == "failed" and progress["shards"]["failed"] == 1
+    assert [json.loads(m["Body"])["index"] for m in dead] == [1]
+    assert sample([registry], "arbiter_worker_shards_total", outcome="failed") == 1
+
+
+class SlowOnSlow(FakeEngine):
+    """Takes a second per decision whose state is ``SLOW``."""
+
+    def score(self, decisions: Any) -> Any:
+        time.sleep(sum(d.state == "SLOW" for d in decisions))
+        return super().score(decisions)
+
+
+async def test_a_shard_whose_lease_is_lost_at_its_last_receive_fails_and_the_job_finishes(
+    endpoint: str,
+) -> None:
+    # SQS's 12 h limit, here 4 s: shard 1 needs 8 s on its one allowed receive.
+    settings = fanout_settings(
+        endpoint,
+        shard_lines=4,
+        max_receive_count=1,
+        visibility_timeout_s=2,
+        heartbeat_s=0.5,
+        chunk_decisions=1,
+    )
+    states = ["A", "B", "C", "D", *["SLOW"] * 4]
+    body = "\n".join(decision_line(i, state=s) for i, s in enumerate(states)).encode()
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await _stack(s3, sqs, settings)
+        etag = await _put(s3, "incoming/slow.jsonl", body)
+        keys = outputs(settings, "incoming/slow.jsonl", etag)
+        consumer, registry = await make_consumer(
+            settings, s3, sqs, SlowOnSlow(), visibility_limit_s=4
+        )
+        await run_until_done([consumer], s3, sqs, stack["queue_url"], keys.summary)
+        summary = json.loads(await read_object(s3, "jobs", keys.summary))
+        dead = await receive_all(sqs, stack["dlq_url"], wait=1)
+    [failed] = summary["shards"]["failed"]
+    assert failed["index"] == 1 and "visibility limit" in failed["error"]
+    assert summary["ok"] == 4 and summary["errors_by_code"] == {"shard_failed": 4}
+    assert [json.loads(m["Body"])["index"] for m in dead] == [1]  # one copy, as a record
+    assert sample([registry], "arbiter_worker_dlq_moves_total", reason="max_receives") == 1
+
+
+async def test_submit_shows_the_progress_of_a_split_job_then_its_summary(
+    endpoint: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from worker.submit import submit
+
+    settings = fanout_settings(endpoint, shard_lines=5, chunk_decisions=1)
+    job = tmp_path / "progress.jsonl"
+    job.write_text("\n".join(decision_line(i, state=f"S{i}") for i in range(40)))
+    async with aws_clients(endpoint) as (s3, sqs):
+        await _stack(s3, sqs, settings)
+        made = [await make_consumer(settings, s3, sqs, FakeEngine(delay_s=0.02)) for _ in "ab"]
+        tasks = [asyncio.create_task(c.run()) for c, _ in made]
+        try:
+            summary = await submit(settings, job, timeout_s=60)
+        finally:
+            for consumer, _ in made:
+                consumer.stop()
+            await asyncio.gather(*tasks)
+    err = capsys.readouterr().err
+    assert summary is not None and summary["lines"] == 40 and summary["shards"]["count"] == 8
+    assert "8/8 shards" in err and "40/40" in err
+
+
+# -- the merge's part plan -------------------------------------------------------------------------
+
+
+@given(
+    sizes=st.lists(st.integers(0, 40), max_size=30),
+    copy_bits=st.lists(st.booleans(), min_size=30, max_size=30),
+    target=st.integers(5, 16),
+)
+def test_every_part_but_the_last_is_at_least_the_minimum(
+    sizes: list[int], copy_bits: list[bool], target: int
+) -> None:
+    copyable = copy_bits[: len(sizes)]
+    parts = plan_parts(sizes, copyable, target, min_part=5)
+    flat = [p for part in parts for p in part.pieces]
+    joined = [(p.segment, p.start, p.end) for p in flat]
+    expected: list[int] = []
+    for seg, size in enumerate(sizes):
+        expected += [seg] * size
+    assert [seg for seg, start, end in joined for _ in range(start, end)] == expected
+    assert all(a[2] == b[1] for a, b in itertools.pairwise(joined) if a[0] == b[0])
+    assert all(part.size >= 5 for part in parts[:-1])
+    for part in parts:
+        if part.copy:
+            [piece] = part.pieces
+            assert copyable[piece.segment] and part.size >= 5
+        else:
+            assert part.size <= target + 5
+    # Every copyable segment of at least 10 is mostly copied, never downloaded whole.
+    for seg, size in enumerate(sizes):
+        if copyable[seg] and size >= 10:
+            copied = sum(p.size for p in parts if p.copy and p.pieces[0].segment == seg)
+            assert copied >= size - 5
+
+
+def _marker(index: int, key: str, size: int, lines: int) -> dict[str, Any]:
+    return {
+        "index": index,
+        "output": key,
+        "bytes": size,
+        "lines": lines,
+        "ok": lines,
+        "failed": 0,
+        "errors_by_code": {},
+        "prompt_tokens": 0,
+        "engine_s": 0,
+        "decisions": lines,
+        "runs": lines,
+        "first_state": None,
+        "last_state": None,
+        "model": None,
+        "worker": None,
+    }
+
+
+async def test_the_merge_copies_large_outputs_inside_s3_and_joins_small_ones(endpoint: str) -> None:
+    """moto refuses a part under 5 MiB that is not the last (EntityTooSmall), as S3 does."""
+    settings = fanout_settings(endpoint)
+    # 1 MiB is joined with the first 4 MiB of the 12 MiB output, whose other 8 MiB are copied; the
+    # 7 MiB output is copied whole; 100 kB + 5.5 MiB + 3 kB are joined (5.5 MiB cannot both top up
+    # the part before it and leave 5 MiB to copy); the 6 MiB output is copied; the last 2 MiB joined.
+    sizes = [1 * MiB, 12 * MiB, 7 * MiB + 3, 100_000, 5 * MiB + 512 * 1024, 3000, 6 * MiB, 2 * MiB]
+    async with aws_clients(endpoint) as (s3, sqs):
+        await _stack(s3, sqs, settings)
+        skeys = shard_keys(settings, "incoming/parts.jsonl", "e" * 32)
+        keys = outputs(settings, "incoming/parts.jsonl", "e" * 32)
+        expected = b""
+        spans = []
+        for i, size in enumerate(sizes):
+            line = f'{{"shard": {i}, "pad": "'.encode()
+            data = (line + b"x" * (size - len(line) - 3) + b'"}\n')[:size]
+            expected += data
+            await s3.put_object(Bucket="jobs", Key=skeys.output(i, "a"), Body=data)
+            await s3.put_object(
+                Bucket="jobs",
+                Key=skeys.done(i),
+                Body=json.dumps(_marker(i, skeys.output(i, "a"), size, 1)).encode(),
+            )
+            spans.append(ShardSpan(index=i, first=i + 1, last=i + 1, items=1, bytes=0))
+        manifest = Manifest(
+            split="ab12",
+            input={"bucket": "jobs", "key": "incoming/parts.jsonl", "etag": "e" * 32},
+            kind="line",
+            shard_lines=1,
+            items=len(sizes),
+            shards=spans,
+            created_at="2026-01-01T00:00:00+00:00",
+            created_ts=time.time(),
+        )
+        summary = await Merger(s3, settings).merge(keys, skeys, manifest, "m-1")
+        merged = await read_object(s3, "jobs", keys.results)
+    assert merged == expected
+    assert summary is not None
+    plan = summary["shards"]["merge"]
+    assert plan["copied_parts"] == 3 and plan["copied_bytes"] == 8 * MiB + 7 * MiB + 3 + 6 * MiB
+    assert plan["copied_bytes"] + plan["joined_bytes"] == sum(sizes)
+    print(f"merge of {sum(sizes) / MiB:.1f} MiB: {plan}")
+
+
+# -- small pieces ----------------------------------------------------------------------------------
+
+items_strategy = st.lists(
+    st.tuples(
+        st.integers(1, 10**9),
+        st.one_of(
+            st.binary(max_size=300),
+            st.builds(MalformedRequest, st.text(max_size=40), code=st.sampled_from(["x", "y"])),
+            st.builds(PayloadTooLarge, st.text(max_size=40)),
+        ),
+    ),
+    max_size=40,
+)
+
+
+@given(items=items_strategy, piece=st.integers(1, 64))
+async def test_shard_inputs_read_back_as_written(items: list[Any], piece: int) -> None:
+    data = b"".join(frame(n, v) for n, v in items)
+
+    async def chunks() -> Any:
+        for start in range(0, len(data), piece):
+            yield data[start : start + piece]
+
+    back = [x async for x in unframe(chunks())]
+    assert [n for n, _ in back] == [n for n, _ in items]
+    for (_, got), (_, sent) in zip(back, items, strict=True):
+        if isinstance(sent, bytes):
+            assert got == sent
+        else:
+            assert type(got) is type(sent) and got.to_dict() == sent.to_dict()
+
+
+def test_the_status_counts_each_shard_once_and_keeps_a_final_state() -> None:
+    spans = [ShardSpan(index=i, first=1, last=1, items=10, bytes=1) for i in range(9)]
+    manifest = Manifest(
+        split="a",
+        input={},
+        kind="line",
+        shard_lines=10,
+        items=90,
+        shards=spans,
+        created_at="2026-01-01T00:00:00+00:00",
+        created_ts=1000.0,
+    )
+    doc = status.initial(manifest, outputs(WorkerSettings(), "incoming/s.jsonl", "e"))
+    doc = status.count_shard(doc, 8, 10, 1, False, now=1010.0)
+    assert doc is not None and status.count_shard(doc, 8, 10, 1, False) is None
+    assert doc["lines"] == {"total": 90, "done": 10, "failed": 1} and doc["eta_s"] == 80.0
+    final = status.finish(doc, {"lines": 90, "failed": 3, "shards": {"failed": []}})
+    assert final is not None and final["state"] == "done"
+    assert status.count_shard(final, 0, 10, 0, False) is None
+    assert status.finish(final, {"lines": 90, "failed": 3}) is None
+
+
+def test_a_shard_prefix_that_overlaps_jobs_or_results_is_refused() -> None:
+    for prefix in ("incoming/", "incoming/shards/", "results/x/", "res"):
+        with pytest.raises(ValidationError, match="shard_prefix"):
+            WorkerSettings(shard_prefix=prefix)
+
+
+def test_shard_messages_are_read_and_checked() -> None:
+    body = {"arbiter_shard": 1, "bucket": "jobs", "key": "incoming/a.jsonl", "etag": "e"}
+    body |= {"split": "ab12", "index": 3, "count": 8}
+    [ref] = parse_message(json.dumps(body), bucket="jobs", input_prefix="incoming/")
+    assert ref == ShardRef("jobs", "incoming/a.jsonl", "e", "ab12", 3, 8)
+    for bad in ({"index": 8}, {"split": "../x"}, {"extra": 1}, {"count": 0}):
+        with pytest.raises(UnreadableMessage):
+            parse_message(json.dumps(body | bad), bucket="jobs", input_prefix="incoming/")
+    [ignored] = parse_message(json.dumps(body | {"bucket": "x"}), bucket="jobs", input_prefix="i/")
+    assert not isinstance(ignored, ShardRef)
