@@ -13,6 +13,9 @@ MIN_TEMPERATURE = 0.01
 MAX_TEMPERATURE = 100.0
 # Deeper JSON than this in a state is refused: it would only reach Python's recursion limit.
 MAX_STATE_DEPTH = 64
+# Options in one decision (System One's limit for a choice question). Checked by the engine, so a
+# decision with more is refused on its own (``too_many_options``) and the others in its batch score.
+MAX_OPTIONS = 255
 
 
 def unicode_text(value: str) -> str:
