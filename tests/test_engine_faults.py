@@ -229,12 +229,13 @@ def test_buffers_are_sized_for_the_outputs_read_not_n_batch(default_gguf: Path) 
         assert sizes["output buffer"] <= eng.llama.n_outputs_max * row_mib + 1, sizes
         assert sizes["compute buffer"] < 64, sizes  # 514 MiB without the cap, 55.6 with it
         # A slice that asks for more outputs than the cap is refused before llama.cpp sees it.
+        n = eng.llama.n_outputs_max + 1
         with pytest.raises(EngineFailure, match="outputs"):
             eng.llama.decode(
-                np.arange(10, dtype=np.int32),
-                np.arange(10, dtype=np.int32),
-                np.zeros(10, np.int32),
-                np.ones(10, np.int8),
+                np.arange(n, dtype=np.int32),
+                np.arange(n, dtype=np.int32),
+                np.zeros(n, np.int32),
+                np.ones(n, np.int8),
             )
         assert _ok(eng.score([decision()])[0])
     finally:
