@@ -20,6 +20,7 @@ option's logit is then the log-sum-exp over kept spellings of its code's chain-r
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -150,7 +151,7 @@ def _prefix_free(sequences: Sequence[tuple[int, ...]]) -> bool:
     """No sequence equals or starts another (sorted order puts a prefix right before an extension
     of it, so neighbours suffice)."""
     ordered = sorted(sequences)
-    return all(b[: len(a)] != a for a, b in zip(ordered, ordered[1:], strict=False))
+    return all(b[: len(a)] != a for a, b in itertools.pairwise(ordered))
 
 
 def choose_codes(tokenize: Tokenize, piece: Piece, n_codes: int = MAX_OPTIONS) -> Codes | None:
