@@ -6,7 +6,9 @@ the two interleaved, because these machines are noisy:
    prompt tokens with logits at the last position only, at ~150 and ~600 prompt tokens;
 2. 8 questions on one ~400-token state: grouped vs 8 independent decisions, and grouped vs
    floor(prefix) + the floors of the 8 suffixes;
-3. peak RSS vs GGUF size + KV cache + 400 MB.
+3. peak RSS vs GGUF size + KV cache + 400 MB;
+4. many options (``bench.many_options``): 26 options (letters) and 60 (codes) on one state, each
+   vs the floor of its own prompt tokens, and the label decode's share of it; one 255-option row.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from arbiter.engine import Engine, open_engine
 from arbiter.prompt import state_text
 from arbiter.schema import DecisionRequest
 from bench import floor
+from bench.many_options import bench_many_options, render_rows
 
 _WORDS = [
     "customer",
@@ -196,6 +199,11 @@ def run(engine: Engine, repeats: int) -> dict[str, Any]:
     report["single_600"] = bench_single(engine, 600, repeats)
     report["shared_8x400"] = bench_shared(engine, max(2, repeats // 2))
     report["memory"] = bench_memory(engine)
+    report["many_options"] = bench_many_options(
+        engine,
+        max(2, repeats // 2),
+        lambda seed: _sized_state(engine, seed, 200, whole_prompt=False),
+    )
     # Opt-in: all questions of the state in one llama_decode (see README, Numerics).
     engine.settings = engine.settings.model_copy(update={"parallel_branches": True})
     try:
@@ -232,6 +240,7 @@ def render(report: dict[str, Any]) -> str:
             f"{par['speedup_vs_independent']:.2f}x faster | (opt-in) |",
             f"| peak RSS | {mem['peak_rss_mb']:.0f} MB | GGUF {mem['gguf_mb']:.0f} + KV "
             f"{mem['kv_cache_mb']:.0f} + 400 MB | {mem['ratio']:.3f} | < 1.0 |",
+            *render_rows(report["many_options"]),
         ]
     )
 
@@ -248,6 +257,10 @@ def main(args: argparse.Namespace) -> int:
         "shared_speedup_vs_independent": round(report["shared_8x400"]["speedup_vs_independent"], 3),
         "shared_vs_floor": round(report["shared_8x400"]["ratio_vs_floor"], 4),
         "peak_rss_vs_budget": round(report["memory"]["ratio"], 4),
+        "options_60_vs_floor": round(report["many_options"]["options_60"]["ratio"], 4),
+        "options_60_read_share": round(
+            report["many_options"]["options_60"]["readout_share_of_floor"], 4
+        ),
     }
     if args.json:
         print(json.dumps(report))
