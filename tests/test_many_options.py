@@ -180,7 +180,8 @@ def brute_force(
             assert len(seq) == 2
             if (seq[0],) not in slots:
                 slots.append((seq[0],))
-    assert tuple(slots) == eng.labels.paths(n).branches  # the engine's batch, in order
+    paths = eng.labels.paths(n)
+    assert paths is not None and tuple(slots) == paths.branches  # the engine's batch, in order
     filler = int(eng.tokenize_content(" the")[0])
     after: dict[int, np.ndarray] = {}  # first token -> the row after it
     with eng.session() as llama:
@@ -327,7 +328,12 @@ def test_the_context_check_counts_the_code_branches_before_llama_cpp(
 
     calls: list[int] = []
     decode = small.llama.decode
-    monkeypatch.setattr(small.llama, "decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        decode(*args, **kwargs)
+
+    monkeypatch.setattr(small.llama, "decode", counted)
     over = at(words + 1)
     assert length(words + 1) <= small.n_ctx  # the prompt alone would fit
     outcome = small.score([over])[0]

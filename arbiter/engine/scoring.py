@@ -336,9 +336,9 @@ class Scoring:
             lambda stream_index, batch_index: self._read(reader_at[stream_index], batch_index),
         )
         free = len(chunk) + 1  # the first sequence id no branch of this chunk uses
-        for p, seq in zip(chunk, seq_ids.tolist(), strict=True):
+        for p, branch in zip(chunk, seq_ids.tolist(), strict=True):
             if p.readout is not None:
-                self._decode_codes(p, seq, free)
+                self._decode_codes(p, branch, free)
         for seq in seq_ids:
             self.llama.remove(int(seq))
 
