@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from adapter.app import create_app
 from arbiter import prompt as prompts
@@ -25,6 +27,7 @@ from arbiter.errors import ContextLengthExceeded, LabelVocabularyError, TooManyO
 from arbiter.schema import MAX_OPTIONS, DecisionRequest, DecisionResult
 from arbiter.settings import EngineSettings, ServerSettings
 from tests.conftest import decision
+from tests.strategies import examples, valid_text
 from tests.worker_support import aws_clients, decision_line, read_object
 from worker.events import JobRef
 from worker.jobs import run_job
@@ -341,6 +344,39 @@ def test_the_context_check_counts_the_code_branches_before_llama_cpp(
     assert "reading its 30 option codes takes 6 more" in outcome.message
     assert "512" in outcome.message and outcome.param == "state"
     assert calls == []  # refused before llama.cpp saw it
+
+
+@settings(
+    max_examples=examples(6),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    n=st.one_of(st.integers(27, 45), st.integers(46, MAX_OPTIONS + 2)),
+    texts=st.lists(valid_text.map(lambda t: t[:12]).filter(str.strip), min_size=1, max_size=6),
+    question=valid_text,
+)
+def test_generated_many_option_decisions_are_scored_or_refused_on_their_own(
+    small: Engine, n: int, texts: list[str], question: str
+) -> None:
+    request = decision(
+        "gen", "A short state.", question, [(f"o{i}", texts[i % len(texts)]) for i in range(n)]
+    )
+    outcome = small.score([request, decision("ok")])
+    assert _ok(outcome[1]).id == "ok"
+    result = outcome[0]
+    if isinstance(result, TooManyOptions):
+        assert n > MAX_OPTIONS
+        return
+    if isinstance(result, ContextLengthExceeded):
+        assert len(small.prompt_tokens(request)) + small.labels.paths(n).cells > small.n_ctx  # type: ignore[union-attr]
+        return
+    result = _ok(result)
+    event("scored")
+    assert result.option_ids == [f"o{i}" for i in range(n)]
+    assert all(np.isfinite(result.option_logits)) and max(result.option_logits) <= 0.0
+    assert sum(result.probabilities) == pytest.approx(1.0)
+    assert 0.0 < result.allowed_mass <= 1.0
 
 
 # -- composition: order samples, calibration, HTTP, JSON Lines, worker jobs ------------------------
