@@ -7,6 +7,7 @@ with the engine's one batched decode of all code prefixes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -126,6 +127,36 @@ def test_up_to_26_options_the_prompt_is_unchanged_above_it_options_get_codes(
     assert "team-0" not in text and "team-26" not in text  # ids never reach the model
     # The instruction and the state come first, unchanged: both share the state prefix.
     assert text.split("Question:")[0] == engine.render_text(letters).split("Question:")[0]
+
+
+# The prompts of the commit before codes (305c6df), rendered there: sha256 of the whole text.
+OLD_PROMPTS = {
+    ("engine", 2): "de966b6a69fa0252d54dbcc6914eda70f0119be738978025ef26883c8cd145b3",
+    ("engine", 26): "cf887c9d484bb543c917ddcd2ca1a5520c4823ee5225470341c0e15a5fa672b5",
+    ("chat_engine", 2): "affe2c587c5fe9cf63d3e4656be6dd9d0878cda2968b0577ca3b2540c36d294c",
+    ("chat_engine", 26): "a111419d25451a4468065bec35bb0f2498532fc90f33727d22204666b1f97824",
+}
+
+
+@pytest.mark.parametrize(("which", "n"), sorted(OLD_PROMPTS))
+def test_up_to_26_options_prompts_are_byte_for_byte_the_old_ones(
+    which: str, n: int, request: pytest.FixtureRequest
+) -> None:
+    eng: Engine = request.getfixturevalue(which)
+    pinned = DecisionRequest.model_validate(
+        {
+            "id": f"pin-{n}",
+            "state": {
+                "ticket": "TCK-2291",
+                "messages": ["Since this morning none of our users can sign in with SSO."],
+            },
+            "question": "Which team should handle this ticket?",
+            "options": [{"id": f"o{i}", "description": f"Team {i}"} for i in range(n)],
+        }
+    )
+    text = eng.render_text(pinned)
+    assert hashlib.sha256(text.encode()).hexdigest() == OLD_PROMPTS[(which, n)]
+    assert eng.labels.paths(n) is None  # read from one position, as before
 
 
 # -- the chain rule, exactly and against labels decoded on their own ------------------------------
