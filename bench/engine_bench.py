@@ -112,7 +112,7 @@ def _sized_state(
 
 
 def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
-    ours, floor, n_tokens = [], [], 0
+    ours, floors, n_tokens = [], [], 0
     for r in range(repeats + 1):
         request = _decision(r, _sized_state(engine, 1000 * target + r, target))
         tokens = engine.prompt_tokens(request)
@@ -124,8 +124,8 @@ def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
         assert not isinstance(outcome, Exception), outcome
         if r:  # the first pair warms up
             ours.append(elapsed)
-            floor.append(floor_s)
-    ours_p50, floor_p50 = statistics.median(ours), statistics.median(floor)
+            floors.append(floor_s)
+    ours_p50, floor_p50 = statistics.median(ours), statistics.median(floors)
     return {
         "prompt_tokens": n_tokens,
         "engine_p50_ms": 1000 * ours_p50,
