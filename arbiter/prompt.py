@@ -1,5 +1,5 @@
-"""Prompt rendering: where the state, question and lettered options sit, which letters label them,
-and chat prompts in the model's own template.
+"""Prompt rendering: where the state, question and labelled options sit, which labels they get
+(letters, or codes above 26 options), and chat prompts in the model's own template.
 
 A prompt has three parts. ``head`` and ``tail`` come from the model's chat template (or are empty for a
 plain template) and are tokenized with special-token parsing; ``content`` holds everything the caller
@@ -23,6 +23,9 @@ from arbiter.errors import InvalidDecision
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 PROMPT_VERSION = "arbiter-letters-v1"
+# Questions with more options than letters label them with codes (``engine.labels``): the options
+# and the reply line change, the instruction and the state prefix do not (so they share a prefix).
+CODES_VERSION = "arbiter-codes-v1"
 
 INSTRUCTION = (
     "You are a careful decision maker. Read the state, then answer the question by choosing "
@@ -123,17 +126,33 @@ def state_prefix(layout: PromptLayout, state: str) -> str:
 
 
 def render_content(
-    layout: PromptLayout, state: str, question: str, descriptions: list[str]
+    layout: PromptLayout,
+    state: str,
+    question: str,
+    descriptions: list[str],
+    labels: list[str] | None = None,
 ) -> RenderedContent:
-    """The caller's part of the prompt: only letters and descriptions, never option ids."""
+    """The caller's part of the prompt: only labels and descriptions, never option ids.
+
+    ``labels`` default to the letters; codes (more options than letters) are named by their range
+    in the reply line instead of one by one, which would cost a token or three per option.
+    """
     prefix = state_prefix(layout, state)
-    letters = LETTERS[: len(descriptions)]
-    lines = "\n".join(
-        f"{letter}. {text}" for letter, text in zip(letters, descriptions, strict=True)
-    )
-    reply = ", ".join(letters[:-1]) + " or " + letters[-1]
-    body = f"Question: {question}\n\nOptions:\n{lines}\n\nReply with {reply}.{layout.answer_cue}"
+    labels = labels if labels is not None else list(LETTERS[: len(descriptions)])
+    lines = "\n".join(f"{label}. {text}" for label, text in zip(labels, descriptions, strict=True))
+    if all(len(label) == 1 for label in labels):
+        reply = "Reply with " + ", ".join(labels[:-1]) + " or " + labels[-1]
+    else:
+        reply = f"Reply with one option's code only, from {labels[0]} to {labels[-1]}"
+    body = f"Question: {question}\n\nOptions:\n{lines}\n\n{reply}.{layout.answer_cue}"
     return RenderedContent(text=prefix + body, state_end=len(prefix))
+
+
+def version(layout: PromptLayout, labels: list[str]) -> str:
+    """The prompt version a result reports: the layout's, or its codes variant."""
+    if all(len(label) == 1 for label in labels):
+        return layout.version
+    return layout.version.replace(PROMPT_VERSION, CODES_VERSION, 1)
 
 
 def full_text(layout: PromptLayout, content: RenderedContent) -> str:

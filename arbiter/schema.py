@@ -15,6 +15,9 @@ MAX_TEMPERATURE = 100.0
 MAX_STATE_DEPTH = 64
 # Option orders one decision may ask to average (``order_samples``; ``arbiter.engine.ordering``).
 MAX_ORDER_SAMPLES = 8
+# Options in one decision (System One's limit for a choice question). Checked by the engine, so a
+# decision with more is refused on its own (``too_many_options``) and the others in its batch score.
+MAX_OPTIONS = 255
 
 
 def unicode_text(value: str) -> str:

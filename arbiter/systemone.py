@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from arbiter.errors import ArbiterError
-from arbiter.schema import DecisionRequest, DecisionResult
+from arbiter.schema import MAX_OPTIONS, DecisionRequest, DecisionResult
 
 Text = str | dict[str, Any] | list[Any]
 ALIASES = ("jev-latest", "default")
@@ -39,7 +39,7 @@ class NoulQuestion(_Strict):
 class ChoiceQuestion(_Strict):
     type: Literal["choice"]
     instructions: Text | None = None
-    criteria: dict[str, Text | None] = Field(min_length=2, max_length=26)
+    criteria: dict[str, Text | None] = Field(min_length=2, max_length=MAX_OPTIONS)
 
     @field_validator("criteria")
     @classmethod
@@ -53,7 +53,7 @@ class ChoiceQuestion(_Strict):
 class ScoreQuestion(_Strict):
     type: Literal["score"]
     instructions: Text | None = None
-    criteria: list[Text] = Field(min_length=2, max_length=10)
+    criteria: list[Text] = Field(min_length=2, max_length=MAX_OPTIONS)
 
 
 Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]

@@ -7,7 +7,9 @@ the two interleaved, because these machines are noisy:
    ``--long-prompt N``, at ~N: the GPU check asks for ~4,000);
 2. 8 questions on one ~400-token state: grouped vs 8 independent decisions, and grouped vs
    floor(prefix) + the floors of the 8 suffixes;
-3. peak RSS vs GGUF size + KV cache + 400 MB.
+3. peak RSS vs GGUF size + KV cache + 400 MB;
+4. many options (``bench.many_options``): 26 options (letters) and 60 (codes) on one state, each
+   vs the floor of its own prompt tokens, and the label decode's share of it; one 255-option row.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from typing import Any
 from arbiter.engine import Engine, open_engine
 from bench.common import QUESTIONS, case_decision, sized_state
 from bench.floor import floor_shared, plain_pass
+from bench.many_options import bench_many_options, render_rows
 
 
 def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
-    ours, floor, n_tokens = [], [], 0
+    ours, floors, n_tokens = [], [], 0
     for r in range(repeats + 1):
         request = case_decision(r, sized_state(engine, 1000 * target + r, target))
         tokens = engine.prompt_tokens(request)
@@ -37,8 +40,8 @@ def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
         assert not isinstance(outcome, Exception), outcome
         if r:  # the first pair warms up
             ours.append(elapsed)
-            floor.append(floor_s)
-    ours_p50, floor_p50 = statistics.median(ours), statistics.median(floor)
+            floors.append(floor_s)
+    ours_p50, floor_p50 = statistics.median(ours), statistics.median(floors)
     return {
         "prompt_tokens": n_tokens,
         "engine_p50_ms": 1000 * ours_p50,
@@ -102,6 +105,11 @@ def run(engine: Engine, repeats: int, long_prompt: int = 0) -> dict[str, Any]:
         report["single_long"] = bench_single(engine, long_prompt, repeats)
     report["shared_8x400"] = bench_shared(engine, max(1, repeats // 2))
     report["memory"] = bench_memory(engine)
+    report["many_options"] = bench_many_options(
+        engine,
+        max(2, repeats // 2),
+        lambda seed: sized_state(engine, seed, 200, whole_prompt=False),
+    )
     # Opt-in: all questions of the state in one llama_decode (see README, Numerics).
     engine.settings = engine.settings.model_copy(update={"parallel_branches": True})
     try:
@@ -146,6 +154,7 @@ def render(report: dict[str, Any]) -> str:
             f"{par['speedup_vs_independent']:.2f}x faster | (opt-in) |",
             f"| peak RSS | {mem['peak_rss_mb']:.0f} MB | GGUF {mem['gguf_mb']:.0f} + KV "
             f"{mem['kv_cache_mb']:.0f} + 400 MB | {mem['ratio']:.3f} | < 1.0 |",
+            *render_rows(report["many_options"]),
         ]
     )
 
@@ -162,6 +171,10 @@ def main(args: argparse.Namespace) -> int:
         "shared_speedup_vs_independent": round(report["shared_8x400"]["speedup_vs_independent"], 3),
         "shared_vs_floor": round(report["shared_8x400"]["ratio_vs_floor"], 4),
         "peak_rss_vs_budget": round(report["memory"]["ratio"], 4),
+        "options_60_vs_floor": round(report["many_options"]["options_60"]["ratio"], 4),
+        "options_60_read_share": round(
+            report["many_options"]["options_60"]["readout_share_of_floor"], 4
+        ),
     }
     if args.json:
         print(json.dumps(report))

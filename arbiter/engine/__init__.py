@@ -2,12 +2,14 @@
 
 A decision is read from one forward pass. The prompt is prefilled with logits requested at the final
 position only; the logits of the option-letter tokens there, through a softmax, are the probabilities.
+Above 26 options, the options' codes span two tokens: one more decode of the codes' first tokens, as
+branches, gives the second factor of each code's probability (``labels``).
 ``Engine`` is the facade every entry point uses: it owns the model's lifetime and the lock that
 serializes every use of the context. The work is done by one module per concern:
 
 - ``llama``: every ctypes call (load, tokenize, decode, KV cache, save and restore);
 - ``scoring``: grouping by state, the shared prefix, branches, readout, results;
-- ``labels``: the option-letter tokens and the option logits read from them;
+- ``labels``: the option labels (letters, codes) and the option logits read from them;
 - ``generation``: chat completions; ``prefix_cache``: saved prefixes; ``ordering``: option orders;
   ``calibration``: fitted temperatures; ``probabilities``: log-sum-exp and softmax;
 - ``backends``: llama.cpp's process-wide set-up.
@@ -29,7 +31,7 @@ from arbiter.engine.generation import Generation, generate
 from arbiter.engine.labels import Labels
 from arbiter.engine.llama import LLAMA_CPP_BUILD, LLAMA_CPP_PYTHON_VERSION, Llama
 from arbiter.engine.prefix_cache import PrefixCache
-from arbiter.engine.scoring import Prompts, Scoring
+from arbiter.engine.scoring import Prompts, Scoring, context_sequences
 from arbiter.errors import ContextLengthExceeded
 from arbiter.models import ResolvedModel, resolve_model, verify
 from arbiter.schema import DecisionRequest, ModelInfo
@@ -58,8 +60,9 @@ class Engine:
                 layout = prompts.chat_layout(llama.chat_template, self.bos_text, self.eos_text)
             else:
                 layout = prompts.plain_layout()
-            self.prompts = Prompts(llama, layout)
             self.labels = Labels.of(llama)
+            self.prompts = Prompts(llama, layout, self.labels)
+            llama.open_context(settings, context_sequences(settings, self.labels))
             self.model_info = self._model_info(settings)
             self.calibration: Calibration | None = None
             if settings.calibration is not None:

@@ -1,14 +1,28 @@
-"""Option labels: the letter tokens a model reads the options by, and the option logits read there.
+"""Option labels: how the model reads the options, and the option logits read from its predictions.
 
-Options are shown to the model as ``A``, ``B``, ... (``prompt.LETTERS``). At load, each letter must be
-one token that round-trips through the vocabulary, in each spelling kept (``A`` and `` A``: the model
-may predict either); a spelling is kept only if all 26 letters pass and stay distinct. An option's
-logit is the log-sum-exp of its letter's kept spellings, the same way for every option.
+Up to 26 options are labelled ``A``, ``B``, ... (``prompt.LETTERS``). At load, each letter must be one
+token that round-trips through the vocabulary, in each spelling kept (``A`` and `` A``: the model may
+predict either); a spelling is kept only if all 26 letters pass and stay distinct. An option's logit is
+the log-sum-exp of its letter's kept spellings, the same way for every option.
+
+From 27 to ``MAX_OPTIONS`` options, every option gets a **code** of a fixed number of characters
+(``A0`` ... ``Z9``; see ``CANDIDATES``). A code spans several tokens, so its probability is read by the
+chain rule: P(code) = P(t1 | prompt) x P(t2 | prompt, t1) x ... The first factor comes from the
+prompt's last position, like a letter; the later ones from one extra ``llama_decode`` of the distinct
+proper prefixes of the codes in use, each prefix a branch of its own (``Paths``). Codes of one length
+form a prefix-free set whatever the tokenizer does (a token sequence that is a proper prefix of
+another decodes to a shorter string), so "the reply starts with code c" are disjoint events and their
+probabilities add up to at most 1 with no terminator to read. At load, the first candidate set that
+tokenizes soundly in this vocabulary is chosen (every token round-trips, the sequences are distinct
+and prefix-free across codes and spellings); a spelling is kept only if every code passes in it. An
+option's logit is then the log-sum-exp over kept spellings of its code's chain-rule log-probability.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -16,37 +30,222 @@ from arbiter.engine.llama import Llama
 from arbiter.engine.probabilities import logsumexp
 from arbiter.errors import LabelVocabularyError
 from arbiter.prompt import LETTERS
+from arbiter.schema import MAX_OPTIONS
 
-SPELLINGS = ("", " ")  # the letter alone, and after a space
+SPELLINGS = ("", " ")  # the label alone, and after a space
+
+# Candidate code sets, best first: a letter and a digit (two tokens in Gemma 3's and SmolLM2's
+# vocabularies, both spellings, both split digits), then three digits (digits are single tokens in
+# most vocabularies that split numbers).
+CANDIDATES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("letter-digit", tuple(f"{letter}{digit}" for letter in LETTERS for digit in "0123456789")),
+    ("three-digit", tuple(f"{i:03d}" for i in range(1000))),
+)
+# At most this many prefixes are decoded as branches for the largest question (a context sized for
+# it holds one sequence and one output row per branch).
+MAX_CODE_BRANCHES = 128
+
+Tokenize = Callable[[str], Sequence[int]]
+Piece = Callable[[int], bytes]
+
+
+@dataclass(frozen=True)
+class Paths:
+    """How to read the codes of the first ``n_options`` labels: the branches to decode and, for each
+    (option, spelling) path, the tokens whose conditional log-probabilities add up to its own.
+
+    Node 0 is the prompt's last position; node ``k`` (1-based) is the end of ``branches[k - 1]``.
+    """
+
+    n_options: int
+    n_spellings: int
+    branches: tuple[tuple[int, ...], ...]
+    step_node: np.ndarray  # per step: the node whose row is read
+    step_token: np.ndarray  # per step: the token read there
+    step_path: np.ndarray  # per step: its path (option * n_spellings + spelling)
+    node_steps: tuple[np.ndarray, ...] = field(repr=False)  # per node: the steps read at it
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.branches) + 1
+
+    @property
+    def cells(self) -> int:
+        """KV cells the branches take on top of the prompt."""
+        return sum(len(b) for b in self.branches)
+
+    def readout(self) -> CodeReadout:
+        return CodeReadout(self)
+
+
+class CodeReadout:
+    """Collects one row per node (as each decode makes it readable) and gives the option logits."""
+
+    def __init__(self, paths: Paths) -> None:
+        self.paths = paths
+        self.node_lse = np.full(paths.n_nodes, np.nan)
+        self.step_logit = np.full(len(paths.step_token), np.nan)
+
+    def take(self, node: int, row: np.ndarray) -> None:
+        """Keep what node ``node`` contributes, from its full-vocabulary logits row."""
+        steps = self.paths.node_steps[node]
+        self.step_logit[steps] = row[self.paths.step_token[steps]]
+        self.node_lse[node] = float(logsumexp(row.astype(np.float64)))
+
+    def option_logits(self) -> np.ndarray:
+        """Per option: log of the summed chain-rule probability of its code's kept spellings."""
+        p = self.paths
+        terms = self.step_logit - self.node_lse[p.step_node]
+        path_logp = np.bincount(p.step_path, weights=terms, minlength=p.n_options * p.n_spellings)
+        return logsumexp(path_logp.reshape(p.n_options, p.n_spellings), axis=1)
+
+
+@dataclass(frozen=True)
+class Codes:
+    """A code set chosen for this vocabulary: its texts and each code's tokens per kept spelling."""
+
+    name: str
+    texts: tuple[str, ...]
+    spellings: tuple[str, ...]
+    tokens: tuple[tuple[tuple[int, ...], ...], ...]  # [code][spelling] -> token ids
+    _plans: dict[int, Paths] = field(default_factory=dict, compare=False, repr=False)
+
+    def paths(self, n_options: int) -> Paths:
+        """The readout of the first ``n_options`` codes (built once per count)."""
+        plan = self._plans.get(n_options)
+        if plan is None:
+            plan = _plan(self.tokens[:n_options], len(self.spellings))
+            self._plans[n_options] = plan
+        return plan
+
+
+def _plan(tokens: Sequence[Sequence[tuple[int, ...]]], n_spellings: int) -> Paths:
+    nodes: dict[tuple[int, ...], int] = {(): 0}
+    branches: list[tuple[int, ...]] = []
+    step_node: list[int] = []
+    step_token: list[int] = []
+    step_path: list[int] = []
+    for option, spellings in enumerate(tokens):
+        for s, seq in enumerate(spellings):
+            for depth, token in enumerate(seq):
+                prefix = tuple(seq[:depth])
+                if prefix not in nodes:
+                    nodes[prefix] = len(nodes)
+                    branches.append(prefix)
+                step_node.append(nodes[prefix])
+                step_token.append(token)
+                step_path.append(option * n_spellings + s)
+    nodes_arr = np.array(step_node, dtype=np.int64)
+    return Paths(
+        n_options=len(tokens),
+        n_spellings=n_spellings,
+        branches=tuple(branches),
+        step_node=nodes_arr,
+        step_token=np.array(step_token, dtype=np.int64),
+        step_path=np.array(step_path, dtype=np.int64),
+        node_steps=tuple(np.flatnonzero(nodes_arr == k) for k in range(len(nodes))),
+    )
+
+
+def _prefix_free(sequences: Sequence[tuple[int, ...]]) -> bool:
+    """No sequence equals or starts another (sorted order puts a prefix right before an extension
+    of it, so neighbours suffice)."""
+    ordered = sorted(sequences)
+    return all(b[: len(a)] != a for a, b in itertools.pairwise(ordered))
+
+
+def choose_codes(tokenize: Tokenize, piece: Piece, n_codes: int = MAX_OPTIONS) -> Codes | None:
+    """The first candidate code set that is sound in this vocabulary, or None.
+
+    Sound: in each kept spelling, every code's tokens decode back to exactly that spelling of the
+    code (no merge with the space, nothing lost); all kept sequences are distinct and prefix-free;
+    the branches of the largest question fit ``MAX_CODE_BRANCHES``.
+    """
+    for name, texts in CANDIDATES:
+        texts = texts[:n_codes]
+        if len(texts) < n_codes:
+            continue
+        kept: list[str] = []
+        columns: list[list[tuple[int, ...]]] = []
+        for lead in SPELLINGS:
+            column = []
+            for text in texts:
+                seq = tuple(int(t) for t in tokenize(lead + text))
+                joined = b"".join(piece(t) for t in seq).decode("utf-8", "replace")
+                if not seq or joined != lead + text:
+                    break
+                column.append(seq)
+            else:
+                kept.append(lead)
+                columns.append(column)
+        if not kept:
+            continue
+        sequences = [seq for column in columns for seq in column]
+        if not _prefix_free(sequences):
+            continue
+        codes = Codes(name, texts, tuple(kept), tuple(zip(*columns, strict=True)))
+        if len(codes.paths(n_codes).branches) <= MAX_CODE_BRANCHES:
+            return codes
+    return None
 
 
 @dataclass(frozen=True)
 class Labels:
-    """Token ids per letter (rows) and kept spelling (columns)."""
+    """Letters for up to 26 options (token ids per letter (rows) and kept spelling (columns)), and
+    the codes above that."""
 
     token_ids: np.ndarray
+    codes: Codes
 
     @property
     def max_options(self) -> int:
+        return MAX_OPTIONS
+
+    @property
+    def max_letters(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @property
+    def max_branches(self) -> int:
+        """Branches of the label decode for the largest question (sequences and output rows)."""
+        return len(self.codes.paths(MAX_OPTIONS).branches)
+
+    def texts(self, n_options: int) -> list[str]:
+        """The labels the prompt shows for a question with ``n_options`` options."""
+        if n_options <= self.max_letters:
+            return list(LETTERS[:n_options])
+        return list(self.codes.texts[:n_options])
+
+    def paths(self, n_options: int) -> Paths | None:
+        """The chain-rule readout for ``n_options`` codes; None when letters label them."""
+        return None if n_options <= self.max_letters else self.codes.paths(n_options)
 
     @classmethod
     def of(cls, llama: Llama) -> Labels:
         """The labels of this model's vocabulary; ``LabelVocabularyError`` when none are usable."""
+        return cls.from_vocabulary(
+            lambda text: llama.tokenize(text, special=False).tolist(),
+            lambda token: llama.piece_bytes(token, special=True),
+            llama.path.name,
+        )
+
+    @classmethod
+    def from_vocabulary(cls, tokenize: Tokenize, piece: Piece, name: str) -> Labels:
+        """The labels of a vocabulary given as its tokenizer and token texts."""
         columns = []
         for lead in SPELLINGS:
             ids = []
             for letter in LETTERS:
-                toks = llama.tokenize(lead + letter, special=False)
-                piece = llama.piece_bytes(int(toks[0]), special=True) if len(toks) == 1 else b""
-                if piece.decode("utf-8", "replace") != lead + letter:
+                toks = tokenize(lead + letter)
+                text = piece(int(toks[0])) if len(toks) == 1 else b""
+                if text.decode("utf-8", "replace") != lead + letter:
                     break
                 ids.append(int(toks[0]))
             if len(ids) == len(LETTERS) and len(set(ids)) == len(ids):
                 columns.append(ids)
         if not columns:
             raise LabelVocabularyError(
-                f"{llama.path.name}: the letters A-Z are not single, distinct, round-trip "
+                f"{name}: the letters A-Z are not single, distinct, round-trip "
                 "tokens in this vocabulary, so option labels cannot be read; refusing to start"
             )
         merged = np.array(columns, dtype=np.int64).T
@@ -55,11 +254,21 @@ class Labels:
             or len(np.unique(merged)) != merged.size
         ):
             raise LabelVocabularyError("label token variants collide across letters")
-        return cls(merged)
+        codes = choose_codes(tokenize, piece)
+        if codes is None:
+            tried = ", ".join(n for n, _ in CANDIDATES)
+            raise LabelVocabularyError(
+                f"{name}: no option code set ({tried}) tokenizes into distinct, prefix-free, "
+                f"round-trip token sequences in this vocabulary, so questions with more than "
+                f"{len(LETTERS)} options cannot be read; refusing to start"
+            )
+        return cls(merged, codes)
 
     def read(self, logits: np.ndarray, n_options: int) -> tuple[np.ndarray, float]:
-        """The option logits (float64) of the first ``n_options`` labels in one full-vocabulary
+        """The option logits (float64) of the first ``n_options`` letters in one full-vocabulary
         logits row, and the log-sum-exp of the whole row (for the label mass)."""
+        if n_options > self.max_letters:
+            raise ValueError(f"{n_options} options are read as codes (Paths), not letters")
         picked = logits[self.token_ids[:n_options]].astype(np.float64)
         options = logsumexp(picked, axis=1) if picked.shape[1] > 1 else picked[:, 0]
         return options, float(logsumexp(logits.astype(np.float64)))

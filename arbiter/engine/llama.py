@@ -104,11 +104,12 @@ class NumpyBatch:
 
 
 class Llama:
-    """A loaded model and its context. Not thread-safe for decoding: the engine serializes that;
-    tokenizing and token texts take a lock of their own, so :meth:`close` never frees the
-    vocabulary under a running call."""
+    """A loaded model and its context (:meth:`open_context`). Not thread-safe for decoding: the
+    engine serializes that; tokenizing and token texts take a lock of their own, so :meth:`close`
+    never frees the vocabulary under a running call."""
 
     def __init__(self, path: Path, settings: EngineSettings) -> None:
+        """Load the model and its vocabulary; :meth:`open_context` makes the context."""
         self.path = path
         self._tok_lock = threading.Lock()
         self._closed = False
@@ -135,16 +136,35 @@ class Llama:
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
 
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+        self.bos = int(llama_cpp.llama_vocab_bos(self._vocab))
+        self.eos = int(llama_cpp.llama_vocab_eos(self._vocab))
+        if self.add_bos and not 0 <= self.bos < self.n_vocab:
+            raise ModelLoadError(
+                f"{self.path.name}: the vocabulary asks for a BOS token but has none "
+                f"(token id {self.bos}); refusing to start"
+            )
+        template = llama_cpp.llama_model_chat_template(self._model, None)
+        self.chat_template: str | None = template.decode("utf-8") if template else None
+
+    def open_context(self, s: EngineSettings, sequences: int) -> None:
+        """Create the context for ``sequences`` KV sequences, each read at one position at most
+        per decode (the engine sizes it: the prefix, the question branches, the label branches).
+
+        Logits are read at one position per sequence, never more: ``n_outputs_max`` keeps the
+        output and compute buffers at ``sequences`` x vocab floats instead of n_batch x vocab (514
+        MiB at n_batch 512 for a 262k vocab, 2 GiB at 2048). ``decode`` checks every slice against
+        it: llama.cpp aborts the process (GGML_ASSERT) on a slice that asks for more.
+        """
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = s.n_ctx
         cparams.n_batch = s.n_batch
         cparams.n_ubatch = s.n_batch
-        cparams.n_seq_max = s.max_branches + 1
-        # Logits are read at one position per sequence, never more: this keeps the output and
-        # compute buffers at (branches + 1) x vocab floats instead of n_batch x vocab (514 MiB at
-        # n_batch 512 for a 262k vocab, 2 GiB at 2048). ``decode`` checks every slice against it:
-        # llama.cpp aborts the process (GGML_ASSERT) on a slice that asks for more.
-        self.n_outputs_max = s.max_branches + 1
+        cparams.n_seq_max = sequences
+        self.n_seq_max = sequences
+        # llama.cpp reserves an output row per sequence at construction, so the cap is at least
+        # that; it is also what the largest label decode reads.
+        self.n_outputs_max = sequences
         cparams.n_outputs_max = self.n_outputs_max
         cparams.n_threads = s.n_threads
         cparams.n_threads_batch = s.n_threads
@@ -157,17 +177,6 @@ class Llama:
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = NumpyBatch(self.n_batch)
-
-        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
-        self.bos = int(llama_cpp.llama_vocab_bos(self._vocab))
-        self.eos = int(llama_cpp.llama_vocab_eos(self._vocab))
-        if self.add_bos and not 0 <= self.bos < self.n_vocab:
-            raise ModelLoadError(
-                f"{self.path.name}: the vocabulary asks for a BOS token but has none "
-                f"(token id {self.bos}); refusing to start"
-            )
-        template = llama_cpp.llama_model_chat_template(self._model, None)
-        self.chat_template: str | None = template.decode("utf-8") if template else None
 
     # -- lifetime ----------------------------------------------------------------------------------
 
@@ -332,7 +341,7 @@ class Llama:
             if outputs > self.n_outputs_max:
                 raise EngineFailure(
                     f"a decode slice asks for {outputs} outputs; the context holds "
-                    f"{self.n_outputs_max} (ARBITER_MAX_BRANCHES + 1)"
+                    f"{self.n_outputs_max} (one per sequence)"
                 )
             self._batch.fill(
                 tokens[start:stop], pos[start:stop], seqs[start:stop], want[start:stop]

@@ -5,7 +5,12 @@ sequence 0 (prefilled, or restored from the prefix cache), is copied (``llama_me
 sequences 1..k, and each suffix (question and options) is decoded in its branch with logits at its
 last token only. The option logits are read there (``labels``), then softmaxed into a result.
 
-A prompt is always prefilled the same way (the prefix, then the suffix on its own), so a decision's
+A question labelled with codes (more than 26 options) needs one more ``llama_decode``: its branch is
+copied into one sequence per distinct code prefix (``labels.Paths``), the prefixes are decoded
+together, each read at its last token, and the chain rule gives each code's probability.
+
+A prompt is always prefilled the same way (the prefix, then the suffix on its own, then for codes the
+code prefixes of that question alone, always the same batch for the same options), so a decision's
 result does not depend on what else is in the request or on the cache (README, Numerics).
 """
 
@@ -20,7 +25,7 @@ from typing import Literal
 import numpy as np
 
 from arbiter import prompt as prompts
-from arbiter.engine.labels import Labels
+from arbiter.engine.labels import CodeReadout, Labels, Paths
 from arbiter.engine.llama import Llama
 from arbiter.engine.prefix_cache import PrefixCache, prefix_key
 from arbiter.engine.probabilities import logsumexp, softmax
@@ -32,7 +37,14 @@ from arbiter.errors import (
     TooManyOptions,
 )
 from arbiter.logging import get_logger
-from arbiter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
+from arbiter.schema import (
+    MAX_OPTIONS,
+    DecisionRequest,
+    DecisionResult,
+    ModelInfo,
+    PromptInfo,
+    Timing,
+)
 from arbiter.scorer import Outcome
 from arbiter.settings import EngineSettings
 
@@ -47,10 +59,22 @@ class Prepared:
     request: DecisionRequest
     tokens: np.ndarray
     prompt_sha256: str
+    prompt_version: str
     tokenize_s: float
+    paths: Paths | None = None  # codes: the label decode to run after the suffix
+    readout: CodeReadout | None = None
     readout_s: float = 0.0
     logits: np.ndarray = field(default_factory=lambda: np.zeros(0))
     full_lse: float = 0.0
+
+    @property
+    def label_cells(self) -> int:
+        """KV cells the label decode takes after the prompt (0 for letters)."""
+        return self.paths.cells if self.paths is not None else 0
+
+    @property
+    def label_branches(self) -> int:
+        return len(self.paths.branches) if self.paths is not None else 0
 
 
 @dataclass
@@ -60,13 +84,20 @@ class GroupRun:
     prefill_s: float
 
 
+def context_sequences(settings: EngineSettings, labels: Labels) -> int:
+    """KV sequences the context needs: the prefix and its question branches, or the prefix, one
+    question and the label branches of the largest question, whichever is more."""
+    return max(settings.max_branches + 1, 2 + labels.max_branches)
+
+
 class Prompts:
     """Decisions as the model reads them: the rendered text and its tokens (``arbiter.prompt``
     around the model's chat template). Caller text is tokenized without special-token parsing."""
 
-    def __init__(self, llama: Llama, layout: prompts.PromptLayout) -> None:
+    def __init__(self, llama: Llama, layout: prompts.PromptLayout, labels: Labels) -> None:
         self.llama = llama
         self.layout = layout
+        self.labels = labels
         head = llama.tokenize(self.layout.head, special=True)
         if llama.add_bos and (len(head) == 0 or head[0] != llama.bos):
             head = np.concatenate([np.array([llama.bos], dtype=np.int32), head])
@@ -82,7 +113,11 @@ class Prompts:
             prompts.state_text(request.state),
             request.question,
             [o.description for o in request.options],
+            self.labels.texts(len(request.options)),
         )
+
+    def version(self, request: DecisionRequest) -> str:
+        return prompts.version(self.layout, self.labels.texts(len(request.options)))
 
     def text(self, request: DecisionRequest) -> str:
         return prompts.full_text(self.layout, self.render(request))
@@ -147,19 +182,30 @@ class Scoring:
 
     def _prepare(self, index: int, request: DecisionRequest) -> Prepared:
         started = time.perf_counter()
-        if len(request.options) > self.labels.max_options:
+        n_options = len(request.options)
+        if n_options > MAX_OPTIONS:
             raise TooManyOptions(
-                f"{len(request.options)} options given; this model reads single-token letter "
-                f"labels, so at most {self.labels.max_options} options are supported",
+                f"{n_options} options given; at most {MAX_OPTIONS} options are supported "
+                f"(up to {self.labels.max_letters} are labelled with letters, more with "
+                f"{self.labels.codes.name} codes)",
                 param="options",
             )
+        paths = self.labels.paths(n_options)
         content = self.prompts.render(request)
         tokens = self.prompts.tokens(content)
-        if len(tokens) > self.llama.n_ctx:
+        # Reading codes takes KV cells of its own after the prompt: counted here, before any
+        # llama.cpp call, with the prompt.
+        label_cells = paths.cells if paths is not None else 0
+        if len(tokens) + label_cells > self.llama.n_ctx:
             name, name_tokens = self._longest_field(request)
+            labels = (
+                f" and reading its {n_options} option codes takes {label_cells} more"
+                if label_cells
+                else ""
+            )
             raise ContextLengthExceeded(
-                f"the prompt is {len(tokens)} tokens ({name} {name_tokens}); the context holds "
-                f"{self.llama.n_ctx} tokens. Nothing is truncated: shorten {name} or raise "
+                f"the prompt is {len(tokens)} tokens ({name} {name_tokens}){labels}; the context "
+                f"holds {self.llama.n_ctx} tokens. Nothing is truncated: shorten {name} or raise "
                 "ARBITER_N_CTX",
                 param=name,
             )
@@ -169,7 +215,9 @@ class Scoring:
             request=request,
             tokens=tokens,
             prompt_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            prompt_version=self.prompts.version(request),
             tokenize_s=time.perf_counter() - started,
+            paths=paths,
         )
 
     def _longest_field(self, request: DecisionRequest) -> tuple[str, int]:
@@ -252,14 +300,20 @@ class Scoring:
         budget = self.llama.n_ctx - n_prefix
         chunk: list[Prepared] = []
         used = 0
+        labels = 0  # the most label branches of a chunk member, decoded after the chunk
         per_decode = settings.max_branches if settings.parallel_branches else 1
         for p in prepared:
-            suffix = len(p.tokens) - n_prefix
-            if chunk and (used + suffix > budget or len(chunk) == per_decode):
+            # A member's cells: its suffix, and its label branches while they are decoded.
+            cells = len(p.tokens) - n_prefix + p.label_cells
+            full = len(chunk) == per_decode or (
+                len(chunk) + 1 + max(labels, p.label_branches) > self.llama.n_seq_max - 1
+            )
+            if chunk and (used + cells > budget or full):
                 self._decode_branches(n_prefix, chunk)
-                chunk, used = [], 0
+                chunk, used, labels = [], 0, 0
             chunk.append(p)
-            used += suffix
+            used += cells
+            labels = max(labels, p.label_branches)
         self._decode_branches(n_prefix, chunk)
         return GroupRun(n_prefix, cache_state, time.perf_counter() - started)
 
@@ -282,15 +336,56 @@ class Scoring:
             want,
             lambda stream_index, batch_index: self._read(reader_at[stream_index], batch_index),
         )
+        free = len(chunk) + 1  # the first sequence id no branch of this chunk uses
+        for p, branch in zip(chunk, seq_ids.tolist(), strict=True):
+            if p.readout is not None:
+                self._decode_codes(p, branch, free)
         for seq in seq_ids:
             self.llama.remove(int(seq))
 
     def _read(self, p: Prepared, batch_index: int) -> None:
         started = time.perf_counter()
-        p.logits, p.full_lse = self.labels.read(
-            self.llama.logits(batch_index), len(p.request.options)
-        )
+        row = self.llama.logits(batch_index)
+        if p.paths is None:
+            p.logits, p.full_lse = self.labels.read(row, len(p.request.options))
+        else:
+            p.readout = p.paths.readout()
+            p.readout.take(0, row)
         p.readout_s = time.perf_counter() - started
+
+    def _decode_codes(self, p: Prepared, seq: int, free: int) -> None:
+        """The second (and later) factors of each code: every distinct code prefix decoded as a
+        branch of the question's own sequence ``seq``, in one ``llama_decode``, read at its end.
+
+        The batch depends only on the question's option count, never on its neighbours."""
+        started = time.perf_counter()
+        paths, readout = p.paths, p.readout
+        assert paths is not None and readout is not None
+        branches = paths.branches
+        seq_ids = np.arange(free, free + len(branches), dtype=np.int32)
+        for branch_seq in seq_ids.tolist():
+            self.llama.copy_sequence(seq, branch_seq)
+        end = len(p.tokens)
+        lengths = np.array([len(b) for b in branches])
+        tokens = np.concatenate([np.asarray(b, dtype=np.int32) for b in branches])
+        pos = np.concatenate([np.arange(end, end + n) for n in lengths]).astype(np.int32)
+        want = np.zeros(len(tokens), dtype=np.int8)
+        last = np.cumsum(lengths) - 1
+        want[last] = 1
+        node_at = {int(stream): node for node, stream in enumerate(last.tolist(), start=1)}
+        try:
+            self.llama.decode(
+                tokens,
+                pos,
+                np.repeat(seq_ids, lengths),
+                want,
+                lambda stream, batch: readout.take(node_at[stream], self.llama.logits(batch)),
+            )
+        finally:
+            for branch_seq in seq_ids.tolist():
+                self.llama.remove(branch_seq)
+        p.logits, p.full_lse = readout.option_logits(), 0.0  # log-probabilities already
+        p.readout_s += time.perf_counter() - started
 
     def _result(
         self, p: Prepared, run: GroupRun, group_tokenize_s: float, temperature: float
@@ -322,7 +417,7 @@ class Scoring:
             prefix_cache=run.cache,
             prompt=PromptInfo(
                 sha256=p.prompt_sha256,
-                version=self.prompts.layout.version,
+                version=p.prompt_version,
                 input_tokens=len(p.tokens),
                 prefix_tokens=run.prefix_tokens,
             ),

@@ -225,10 +225,10 @@ def test_allowed_mass_is_high_on_simple_cases(engine: Engine) -> None:
 
 
 def test_too_many_options_is_a_typed_error_and_others_still_score(engine: Engine) -> None:
-    many = decision("many", options=[(f"o{i}", f"Option {i}") for i in range(27)])
+    many = decision("many", options=[(f"o{i}", f"Option {i}") for i in range(256)])
     outcomes = engine.score([decision("ok1"), many, decision("ok2")])
     assert isinstance(outcomes[1], TooManyOptions)
-    assert outcomes[1].param == "options" and "26" in outcomes[1].message
+    assert outcomes[1].param == "options" and "255" in outcomes[1].message
     assert _ok(outcomes[0]).id == "ok1" and _ok(outcomes[2]).id == "ok2"
     assert _ok(
         engine.score([decision("max", options=[(f"o{i}", f"Option {i}") for i in range(26)])])[0]

@@ -223,15 +223,19 @@ def test_buffers_are_sized_for_the_outputs_read_not_n_batch(default_gguf: Path) 
         }
         assert set(sizes) == {"output buffer", "compute buffer"}, lines
         row_mib = eng.n_vocab * 4 / 2**20
-        assert sizes["output buffer"] <= 5 * row_mib + 1, sizes
-        assert sizes["compute buffer"] < 64, sizes  # 514 MiB without the cap
+        # One row per sequence: the prefix, a question and the label branches of a 255-option
+        # question (2 + 52) outnumber the prefix and its 4 branches.
+        assert eng.llama.n_outputs_max == 2 + eng.labels.max_branches == 54
+        assert sizes["output buffer"] <= eng.llama.n_outputs_max * row_mib + 1, sizes
+        assert sizes["compute buffer"] < 64, sizes  # 514 MiB without the cap, 55.6 with it
         # A slice that asks for more outputs than the cap is refused before llama.cpp sees it.
+        n = eng.llama.n_outputs_max + 1
         with pytest.raises(EngineFailure, match="outputs"):
             eng.llama.decode(
-                np.arange(10, dtype=np.int32),
-                np.arange(10, dtype=np.int32),
-                np.zeros(10, np.int32),
-                np.ones(10, np.int8),
+                np.arange(n, dtype=np.int32),
+                np.arange(n, dtype=np.int32),
+                np.zeros(n, np.int32),
+                np.ones(n, np.int8),
             )
         assert _ok(eng.score([decision()])[0])
     finally:

@@ -72,7 +72,7 @@ def test_score_levels_and_structured_instructions_keep_key_order() -> None:
             {
                 "model": "default",
                 "state": "s",
-                "questions": {"q": {"type": "score", "criteria": ["x"] * 11}},
+                "questions": {"q": {"type": "score", "criteria": ["x"] * 256}},
             },
             ["body", "questions", "q", "criteria"],
         ),
