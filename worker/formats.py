@@ -275,13 +275,7 @@ class _Document:
             scan, done, depth, in_string = _scan(self.buf, scan, depth, in_string)
             if done:
                 return self._take(scan, keep)
-            if scan - self.pos > self.max_item:
-                keep = False
-            scan -= self._drop(scan if not keep else self.pos)
-            if not keep:
-                self.pos = 0
-            if not await self._more():
-                raise MalformedRequest("the document is not valid JSON: it ends inside a value")
+            scan, keep = await self._grow(scan, keep)
 
     def _take(self, end: int, keep: bool) -> bytes | None:
         data = bytes(self.buf[self.pos : end]) if keep and end - self.pos <= self.max_item else None
@@ -294,13 +288,20 @@ class _Document:
             scan = _SCALAR.match(self.buf, scan).end()  # type: ignore[union-attr]
             if scan < len(self.buf):
                 return self._take(scan, keep)
-            if scan - self.pos > self.max_item:
-                keep = False
-            scan -= self._drop(scan if not keep else self.pos)
-            if not keep:
-                self.pos = 0
-            if not await self._more():
-                raise MalformedRequest("the document is not valid JSON: it ends inside a value")
+            scan, keep = await self._grow(scan, keep)
+
+    async def _grow(self, scan: int, keep: bool) -> tuple[int, bool]:
+        """More bytes for a value scanned up to ``scan`` that has not ended: the value's bytes are
+        kept while it fits ``max_item``, else dropped as scanned. Returns the scan position in the
+        new buffer and whether the value is still kept."""
+        if scan - self.pos > self.max_item:
+            keep = False
+        scan -= self._drop(scan if not keep else self.pos)
+        if not keep:
+            self.pos = 0
+        if not await self._more():
+            raise MalformedRequest("the document is not valid JSON: it ends inside a value")
+        return scan, keep
 
 
 def _scan(buf: bytearray, scan: int, depth: int, in_string: bool) -> tuple[int, bool, int, bool]:
