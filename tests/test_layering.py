@@ -81,3 +81,20 @@ def test_the_rules_see_lazy_imports(tmp_path: Path) -> None:
         assert imported(source.relative_to(ROOT)) == {"bench", "aiohttp"}
     finally:
         source.unlink()
+
+
+def test_the_readme_architecture_names_every_module() -> None:
+    """The README's tree is the map a newcomer reads: a module it does not name is a room missing
+    from the map (bench suites are named by their pattern, ``<suite>_bench.py``)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    tree = section.split("```", 2)[1]
+    missing = [
+        str(path)
+        for package in (CORE, *ENTRY_POINTS, BENCH)
+        for path in modules(package)
+        if path.name != "__init__.py"
+        and not (package == BENCH and path.name.endswith("_bench.py"))
+        and path.name not in tree
+    ]
+    assert missing == []
