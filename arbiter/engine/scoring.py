@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -321,20 +321,11 @@ class Scoring:
         seq_ids = np.arange(1, len(chunk) + 1, dtype=np.int32)
         for seq in seq_ids:
             self.llama.copy_sequence(0, int(seq))
-        suffixes = [p.tokens[n_prefix:] for p in chunk]
-        lengths = np.array([len(s) for s in suffixes])
-        tokens = np.concatenate(suffixes)
-        pos = np.concatenate([np.arange(n_prefix, n_prefix + n) for n in lengths]).astype(np.int32)
-        want = np.zeros(len(tokens), dtype=np.int8)
-        last = np.cumsum(lengths) - 1
-        want[last] = 1
-        reader_at = dict(zip(last.tolist(), chunk, strict=True))
-        self.llama.decode(
-            tokens,
-            pos,
-            np.repeat(seq_ids, lengths),
-            want,
-            lambda stream_index, batch_index: self._read(reader_at[stream_index], batch_index),
+        self._decode_runs(
+            [p.tokens[n_prefix:] for p in chunk],
+            n_prefix,
+            seq_ids,
+            lambda k, batch_index: self._read(chunk[k], batch_index),
         )
         free = len(chunk) + 1  # the first sequence id no branch of this chunk uses
         for p, branch in zip(chunk, seq_ids.tolist(), strict=True):
@@ -342,6 +333,31 @@ class Scoring:
                 self._decode_codes(p, branch, free)
         for seq in seq_ids:
             self.llama.remove(int(seq))
+
+    def _decode_runs(
+        self,
+        runs: Sequence[np.ndarray],
+        start: int,
+        seq_ids: np.ndarray,
+        on_run: Callable[[int, int], None],
+    ) -> None:
+        """One ``llama_decode`` of token runs, run ``k`` continuing sequence ``seq_ids[k]`` from
+        position ``start``, with logits only at each run's last token: ``on_run(k, batch_index)``
+        reads them (the question branches after the prefix, and the code prefixes after a prompt)."""
+        lengths = np.array([len(run) for run in runs])
+        tokens = np.concatenate(runs)
+        pos = np.concatenate([np.arange(start, start + n) for n in lengths]).astype(np.int32)
+        want = np.zeros(len(tokens), dtype=np.int8)
+        last = np.cumsum(lengths) - 1
+        want[last] = 1
+        run_at = {stream: k for k, stream in enumerate(last.tolist())}
+        self.llama.decode(
+            tokens,
+            pos,
+            np.repeat(seq_ids, lengths),
+            want,
+            lambda stream, batch_index: on_run(run_at[stream], batch_index),
+        )
 
     def _read(self, p: Prepared, batch_index: int) -> None:
         started = time.perf_counter()
@@ -365,21 +381,12 @@ class Scoring:
         seq_ids = np.arange(free, free + len(branches), dtype=np.int32)
         for branch_seq in seq_ids.tolist():
             self.llama.copy_sequence(seq, branch_seq)
-        end = len(p.tokens)
-        lengths = np.array([len(b) for b in branches])
-        tokens = np.concatenate([np.asarray(b, dtype=np.int32) for b in branches])
-        pos = np.concatenate([np.arange(end, end + n) for n in lengths]).astype(np.int32)
-        want = np.zeros(len(tokens), dtype=np.int8)
-        last = np.cumsum(lengths) - 1
-        want[last] = 1
-        node_at = {int(stream): node for node, stream in enumerate(last.tolist(), start=1)}
         try:
-            self.llama.decode(
-                tokens,
-                pos,
-                np.repeat(seq_ids, lengths),
-                want,
-                lambda stream, batch: readout.take(node_at[stream], self.llama.logits(batch)),
+            self._decode_runs(
+                [np.asarray(b, dtype=np.int32) for b in branches],
+                len(p.tokens),
+                seq_ids,
+                lambda k, batch: readout.take(k + 1, self.llama.logits(batch)),  # node 0: prompt
             )
         finally:
             for branch_seq in seq_ids.tolist():
