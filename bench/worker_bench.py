@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from arbiter.settings import EngineSettings
@@ -178,6 +180,19 @@ class Stack:
             summary: dict[str, Any] = json.loads(await body.read())
         return elapsed, summary
 
+    @contextlib.asynccontextmanager
+    async def s3_when_ready(self, within_s: float) -> AsyncIterator[Any]:
+        """An S3 client of the stack once its workers are ready; the stack is closed after."""
+        from aiobotocore.session import get_session
+
+        try:
+            async with get_session().create_client("s3", **self.client_kwargs()) as s3:
+                if not await asyncio.to_thread(self.ready.wait, within_s):
+                    raise RuntimeError("the workers did not become ready")
+                yield s3
+        finally:
+            self.close()
+
     def close(self) -> None:
         if self.worker.poll() is None:
             self.worker.send_signal(signal.SIGTERM)
@@ -199,8 +214,6 @@ async def measure(
     engine: Any, decisions: list[Any], args: argparse.Namespace, threads: int, chunk: int
 ) -> dict[str, float]:
     """The three paths, alternated segment by segment so that they share the machine's load."""
-    from aiobotocore.session import get_session
-
     n = len(decisions)
     segments = max(1, min(args.segments, n // 10))
     per = -(-n // segments)
@@ -208,34 +221,27 @@ async def measure(
     totals = {"engine_s": 0.0, "e2e_s": 0.0, "worker_engine_s": 0.0, "ungrouped_s": 0.0}
     ungrouped_n = 0
     stack = Stack(threads, chunk)
-    try:
-        kw = stack.client_kwargs()
-        session = get_session()
-        async with session.create_client("s3", **kw) as s3:
-            if not await asyncio.to_thread(stack.ready.wait, 180):
-                raise RuntimeError("the worker did not become ready")
-            for i in range(segments):
-                part = decisions[i * per : (i + 1) * per]
-                if not part:
-                    break
-                totals["engine_s"] += engine_path(engine, part, chunk)
-                sample = [d for j, d in enumerate(part, start=i * per) if j % every == 0]
-                totals["ungrouped_s"] += ungrouped_path(engine, sample)
-                ungrouped_n += len(sample)
-                seconds, summary = await stack.run_job(
-                    s3, f"incoming/bench-{i}.jsonl", _job_bytes(part)
-                )
-                assert summary["ok"] == len(part), summary
-                totals["e2e_s"] += seconds
-                totals["worker_engine_s"] += summary["seconds"]["engine"]
-                print(
-                    f"segment {i + 1}/{segments}: {len(part)} decisions, engine "
-                    f"{totals['engine_s']:.1f} s, end to end {totals['e2e_s']:.1f} s, "
-                    f"ungrouped {ungrouped_n} in {totals['ungrouped_s']:.1f} s",
-                    file=sys.stderr,
-                )
-    finally:
-        stack.close()
+    async with stack.s3_when_ready(180) as s3:
+        for i in range(segments):
+            part = decisions[i * per : (i + 1) * per]
+            if not part:
+                break
+            totals["engine_s"] += engine_path(engine, part, chunk)
+            sample = [d for j, d in enumerate(part, start=i * per) if j % every == 0]
+            totals["ungrouped_s"] += ungrouped_path(engine, sample)
+            ungrouped_n += len(sample)
+            seconds, summary = await stack.run_job(
+                s3, f"incoming/bench-{i}.jsonl", _job_bytes(part)
+            )
+            assert summary["ok"] == len(part), summary
+            totals["e2e_s"] += seconds
+            totals["worker_engine_s"] += summary["seconds"]["engine"]
+            print(
+                f"segment {i + 1}/{segments}: {len(part)} decisions, engine "
+                f"{totals['engine_s']:.1f} s, end to end {totals['e2e_s']:.1f} s, "
+                f"ungrouped {ungrouped_n} in {totals['ungrouped_s']:.1f} s",
+                file=sys.stderr,
+            )
     totals["ungrouped_n"] = ungrouped_n
     return totals
 
@@ -294,18 +300,9 @@ async def _one_run(
     job: bytes, key: str, threads: int, processes: int, shard_lines: int, chunk: int
 ) -> tuple[float, dict[str, Any]]:
     """A fresh stack and pool; seconds from the job's PutObject to its summary, and the summary."""
-    from aiobotocore.session import get_session
-
     stack = Stack(threads, chunk, processes=processes, shard_lines=shard_lines)
-    try:
-        kw = stack.client_kwargs()
-        session = get_session()
-        async with session.create_client("s3", **kw) as s3:
-            if not await asyncio.to_thread(stack.ready.wait, 300):
-                raise RuntimeError("the workers did not become ready")
-            return await stack.run_job(s3, key, job)
-    finally:
-        stack.close()
+    async with stack.s3_when_ready(300) as s3:
+        return await stack.run_job(s3, key, job)
 
 
 def fanout_main(args: argparse.Namespace) -> int:
