@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings as hypothesis_settings
@@ -51,6 +52,21 @@ def engine() -> Iterator[Engine]:
     eng = Engine(settings)
     yield eng
     eng.close()
+
+
+@pytest.fixture
+async def client(aiohttp_client: Any, engine: Engine) -> Any:
+    """A test client of the app over the session's real engine, once it answers ``/ping``."""
+    from adapter.app import create_app
+    from arbiter.settings import ServerSettings
+    from tests.live_server import ready
+
+    app = create_app(
+        ServerSettings(max_in_flight=1, max_queue=4), lambda: engine, close_engine=False
+    )
+    client = await aiohttp_client(app)
+    await ready(client)
+    return client
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from aiohttp import web
 
@@ -52,3 +53,12 @@ def serve(app: web.Application, ready_path: str = "/ping", timeout_s: float = 12
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=30)
         loop.close()
+
+
+async def ready(client: Any) -> None:
+    """Wait until an aiohttp test client's app answers ``/ping`` with 200 (its model is loaded)."""
+    for _ in range(500):
+        if (await client.get("/ping")).status == 200:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("never ready")

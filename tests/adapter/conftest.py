@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
@@ -10,19 +9,12 @@ import pytest
 from adapter.app import create_app
 from arbiter.settings import ServerSettings
 from tests.fakes import FakeEngine
+from tests.live_server import ready
 
 
 def settings(**kw: Any) -> ServerSettings:
     """Server settings for a test: one request computing, one waiting, unless ``kw`` says."""
     return ServerSettings(**{"max_in_flight": 1, "max_queue": 1, **kw})
-
-
-async def ready(client: Any) -> None:
-    for _ in range(500):
-        if (await client.get("/ping")).status == 200:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("never ready")
 
 
 async def error_of(response: Any, status: int) -> dict[str, Any]:

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import pytest
 
-from adapter.app import create_app
 from arbiter.engine import Engine
 from arbiter.schema import DecisionRequest
-from arbiter.settings import ServerSettings
 from tests.fakes import decision_body
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -29,19 +26,6 @@ def ticket(id: str, question: str = "Which queue should handle this ticket?") ->
             {"id": "billing", "description": "Billing and invoices"},
         ],
     }
-
-
-@pytest.fixture
-async def client(aiohttp_client: Any, engine: Engine) -> Any:
-    app = create_app(
-        ServerSettings(max_in_flight=1, max_queue=4), lambda: engine, close_engine=False
-    )
-    client = await aiohttp_client(app)
-    for _ in range(500):
-        if (await client.get("/ping")).status == 200:
-            return client
-        await asyncio.sleep(0.01)
-    raise AssertionError("never ready")
 
 
 async def test_single_decision_matches_the_engine(client: Any, engine: Engine) -> None:

@@ -6,7 +6,6 @@ with the engine's one batched decode of all code prefixes.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 from collections.abc import Callable, Iterator, Sequence
@@ -18,7 +17,6 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from adapter.app import create_app
 from arbiter import prompt as prompts
 from arbiter.engine import Engine
 from arbiter.engine.calibration import Calibration
@@ -26,7 +24,7 @@ from arbiter.engine.labels import Labels, _prefix_free, choose_codes
 from arbiter.engine.probabilities import logsumexp, softmax
 from arbiter.errors import ContextLengthExceeded, LabelVocabularyError, TooManyOptions
 from arbiter.schema import MAX_OPTIONS, DecisionRequest, DecisionResult
-from arbiter.settings import EngineSettings, ServerSettings
+from arbiter.settings import EngineSettings
 from tests.aws import aws_clients, read_object
 from tests.fakes import decision, decision_line
 from tests.strategies import examples, valid_text
@@ -437,19 +435,6 @@ def test_a_calibrated_temperature_applies_to_code_logits(engine: Engine) -> None
     assert calibrated.probability_status == "calibrated" and calibrated.temperature == 2.5
     assert np.allclose(calibrated.option_logits, raw.option_logits, atol=1e-3)
     assert np.allclose(calibrated.probabilities, softmax(raw.option_logits, 2.5), atol=1e-3)
-
-
-@pytest.fixture
-async def client(aiohttp_client: Any, engine: Engine) -> Any:
-    app = create_app(
-        ServerSettings(max_in_flight=1, max_queue=4), lambda: engine, close_engine=False
-    )
-    client = await aiohttp_client(app)
-    for _ in range(500):
-        if (await client.get("/ping")).status == 200:
-            return client
-        await asyncio.sleep(0.01)
-    raise AssertionError("never ready")
 
 
 def _question(kind: str, n: int) -> dict[str, Any]:
