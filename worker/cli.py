@@ -33,7 +33,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from worker.submit import submit
 
     settings = _settings(args)
-    summary = asyncio.run(submit(settings, Path(args.file), key=args.key, timeout_s=args.timeout))
+    summary = asyncio.run(
+        submit(
+            settings,
+            Path(args.file),
+            key=args.key,
+            timeout_s=args.timeout,
+            shard_lines=args.shard_lines,
+        )
+    )
     if summary is None:
         print(
             f"no summary after {args.timeout:.0f} s; the job may still be running", file=sys.stderr
@@ -60,6 +68,13 @@ def register(sub: Any) -> None:
     submit.add_argument("file", help="a .jsonl / .json job (optionally .gz)")
     submit.add_argument("--key", default=None, help="object key (default: input prefix + name)")
     submit.add_argument("--timeout", type=float, default=900.0, help="seconds to wait")
+    submit.add_argument(
+        "--shard-lines",
+        type=int,
+        default=None,
+        help="split this job into shards of this many lines (x-amz-meta-arbiter-shard-lines), "
+        "whatever the workers' ARBITER_SHARD_LINES",
+    )
     submit.set_defaults(func=cmd_submit)
 
     local = sub.add_parser(

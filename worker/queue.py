@@ -1,10 +1,11 @@
 """The queue loop of one worker process: receive, keep the lease, ack, back off or dead-letter.
 
 A message is deleted only after every job it announces has its results and summary written (or is
-found already done, superseded, or ignorable). A failed job's message is made visible again after
-a delay that grows with its count of failed receives; once the redrive policy's ``maxReceiveCount``
-is spent, the worker moves it to the dead-letter queue. A job no retry can fix (its input is gone)
-and a body that is no job at all go there at their first receive.
+found already done, superseded, or ignorable; a shard or merge message: its step done). A failed
+message is made visible again after a delay that grows with its count of failed receives; once the
+worker's own tries are spent (:mod:`worker.replies`), it moves a job or merge message to the
+dead-letter queue and fails a shard for good (its job still finishes). A job no retry can fix (its
+input is gone) and a body that is no job at all go there at their first receive.
 
 While a job runs, its :class:`~worker.lease.Lease` keeps the message invisible, so a slow job is
 never handed to a second worker; when the lease cannot be kept (12-hour limit, extension refused),
@@ -12,69 +13,44 @@ the job is stopped. A worker that dies stops renewing, and the message returns a
 
 A message given back unfinished on purpose (the drain deadline of a deploy) is sent again as a new
 message that carries its count of failed receives in a message attribute, so a release never
-counts as a failure: a healthy long job survives any number of deploys. A shard message whose job
-is being merged by another worker is given back the same way, with a delay (``Deferred``).
+counts as a failure: a healthy long job survives any number of deploys.
 
-What a job or shard message asks for is done by :class:`worker.fanout.FanOut`: small jobs run
-whole, large ones are split into shards that any worker scores and one merges.
+What a job, shard or merge message asks for is done by :class:`worker.fanout.FanOut`: small jobs
+run whole, large ones are split into shards that any worker scores and any worker merges.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from arbiter.scorer import Scorer
-from worker.events import Ignored, JobRef, ShardRef, UnreadableMessage, parse_message
+from worker.events import (
+    Ignored,
+    JobRef,
+    MergeRef,
+    Ref,
+    ShardRef,
+    UnreadableMessage,
+    parse_message,
+)
 from worker.fanout import Delivery, FanOut
 from worker.jobs import JobFailed, JobRejected, JobReport, thread_runner
 from worker.lease import Lease, stop_together
-from worker.merge import Deferred
 from worker.metrics import WorkerMetrics
 from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline, ExponentialBackoff, goes_to_dlq
+from worker.replies import FAILED_RECEIVES, QueueInfo, Replies, describe_queue, receive_count
 from worker.settings import WorkerSettings
 
 log = structlog.get_logger("arbiter.worker")
 
-FAILED_RECEIVES = "ArbiterFailedReceives"  # message attribute: failed receives before a release
-
-
-def receive_count(message: dict[str, Any]) -> int:
-    """This receive's number among the message's tries: SQS's ``ApproximateReceiveCount`` plus the
-    failed receives it carried over from before a release."""
-    count = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
-    carried = message.get("MessageAttributes", {}).get(FAILED_RECEIVES, {}).get("StringValue")
-    with contextlib.suppress(TypeError, ValueError):
-        count += max(0, int(carried))
-    return count
-
-
-@dataclass(frozen=True)
-class QueueInfo:
-    url: str
-    max_receive_count: int | None
-    dlq_url: str | None
-
-
-async def describe_queue(sqs: Any, settings: WorkerSettings) -> QueueInfo:
-    """The queue URL and its redrive policy (where failed jobs end up, and after how many tries)."""
-    url = settings.queue_url or (await sqs.get_queue_url(QueueName=settings.queue_name))["QueueUrl"]
-    attrs = await sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["RedrivePolicy"])
-    policy = attrs.get("Attributes", {}).get("RedrivePolicy")
-    if not policy:
-        return QueueInfo(url, None, None)
-    redrive = json.loads(policy)
-    dlq_name = redrive["deadLetterTargetArn"].rsplit(":", 1)[-1]
-    dlq_url = (await sqs.get_queue_url(QueueName=dlq_name))["QueueUrl"]
-    return QueueInfo(url, int(redrive["maxReceiveCount"]), dlq_url)
+__all__ = ["Consumer", "QueueInfo", "describe_queue", "receive_count"]
 
 
 class Consumer:
@@ -110,13 +86,23 @@ class Consumer:
         self._stop = asyncio.Event()
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="arbiter-engine")
         self._run_engine = thread_runner(self._engine_thread)
+        self.tries = queue.tries(settings)
+        if self.tries < settings.max_receive_count:
+            log.warning(
+                "queue.redrive_too_tight",
+                redrive_max_receive_count=queue.max_receive_count,
+                worker_tries=self.tries,
+                hint="set the queue's maxReceiveCount to ARBITER_MAX_RECEIVE_COUNT + 3, so the "
+                "worker sees the receive after a message's last try",
+            )
+        self.replies = Replies(sqs, queue, self.metrics)
         self.fanout = FanOut(
             settings,
             s3,
             sqs,
             engine,
             queue.url,
-            queue.max_receive_count,
+            self.tries,
             queue.dlq_url,
             self.metrics,
             self._run_engine,
@@ -178,7 +164,7 @@ class Consumer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await self._release(message)
+            await self.replies.release(message)
             return
         try:
             await task
@@ -221,7 +207,13 @@ class Consumer:
             except UnreadableMessage as exc:
                 log.error("message.unreadable", reason=str(exc))
                 self.metrics.jobs.labels("unreadable").inc()
-                await self._dead_letter(message, "unreadable")
+                await self.replies.dead_letter(message, "unreadable")
+                return
+            if count > self.tries and any(isinstance(e, JobRef) for e in entries):
+                # Its last try died with its worker: out of tries, not run again.
+                log.error("job.out_of_tries", tries=self.tries)
+                self.metrics.jobs.labels("failed").inc()
+                await self.replies.dead_letter(message, "max_receives")
                 return
             lease = Lease(
                 self.sqs,
@@ -243,20 +235,15 @@ class Consumer:
                 lost = keeper.exception()
                 reason = keeper.result() if lost is None else f"the heartbeat failed: {lost!r}"
                 log.error("job.lease_lost", reason=reason)
-                await self._fail(message, count, JobFailed(reason))
-            elif isinstance(error := work.exception(), Deferred):
-                self.metrics.jobs.labels("deferred").inc()
-                await self._release(message, delay_s=error.seconds, reason=str(error))
-            elif error is not None:
-                await self._fail(message, count, error)
+                await self._fail(message, entries, count, JobFailed(reason))
+            elif (error := work.exception()) is not None:
+                await self._fail(message, entries, count, error)
             elif work.result():
-                await self._dead_letter(message, "permanent")
+                await self.replies.dead_letter(message, "permanent")
             else:
-                await self._delete(message)
+                await self.replies.delete(message)
 
-    async def _run_all(
-        self, entries: list[JobRef | ShardRef | Ignored], delivery: Delivery
-    ) -> list[str]:
+    async def _run_all(self, entries: list[Ref | Ignored], delivery: Delivery) -> list[str]:
         """Run the message's jobs in turn; the reasons of those rejected for good."""
         rejected = []
         for entry in entries:
@@ -272,9 +259,9 @@ class Consumer:
                 rejected.append(str(exc))
         return rejected
 
-    async def _run(self, ref: JobRef | ShardRef, delivery: Delivery) -> JobReport:
+    async def _run(self, ref: Ref, delivery: Delivery) -> JobReport:
         started = time.perf_counter()
-        what = "shard" if isinstance(ref, ShardRef) else "job"
+        what = {"ShardRef": "shard", "MergeRef": "merge"}.get(type(ref).__name__, "job")
         with structlog.contextvars.bound_contextvars(bucket=ref.bucket, key=ref.key, etag=ref.etag):
             log.info(f"{what}.started")
             if self.on_job_start is not None and isinstance(ref, JobRef):
@@ -298,77 +285,38 @@ class Consumer:
             )
             return report
 
-    async def _delete(self, message: dict[str, Any]) -> None:
-        await asyncio.shield(
-            self.sqs.delete_message(QueueUrl=self.queue.url, ReceiptHandle=message["ReceiptHandle"])
-        )
-
-    async def _fail(self, message: dict[str, Any], receive_count: int, exc: BaseException) -> None:
-        delay = self.backoff.delay(receive_count)
-        to_dlq = goes_to_dlq(receive_count, self.queue.max_receive_count)
-        self.metrics.jobs.labels("failed").inc()
-        log.error(
-            "job.failed",
-            error=f"{type(exc).__name__}: {exc}",
-            retry_in_s=delay,
-            dead_letter=to_dlq,
-        )
-        if to_dlq and self.queue.dlq_url:
-            # Moved by the worker, not left to the redrive policy: the count includes failed
-            # receives carried over from before a release, which SQS's own count does not.
-            why = f"{type(exc).__name__}: {exc}"
-            await self.fanout.give_up(message["Body"], why, receive_count)
-            await self._dead_letter(message, "max_receives")
-            return
-        await self._set_visibility(message, delay)
-
-    async def _release(
-        self, message: dict[str, Any], delay_s: int = 0, reason: str | None = None
+    async def _fail(
+        self,
+        message: dict[str, Any],
+        entries: list[Ref | Ignored],
+        receive_count: int,
+        exc: BaseException,
     ) -> None:
-        """Give the message back (drain deadline passed: at once; a merge held elsewhere: after
-        ``delay_s``) for another worker: sent again as a new message carrying its failed receives,
-        then deleted, so the release is not counted as a receive that failed. If the copy cannot be
-        sent, it is made visible instead (after the delay)."""
-        failed = receive_count(message) - 1
-        try:
-            await asyncio.shield(
-                self.sqs.send_message(
-                    QueueUrl=self.queue.url,
-                    MessageBody=message["Body"],
-                    DelaySeconds=delay_s,
-                    MessageAttributes={
-                        FAILED_RECEIVES: {"DataType": "Number", "StringValue": str(failed)}
-                    },
-                )
-            )
-        except Exception as exc:
-            log.warning("release.resend_failed", error=f"{type(exc).__name__}: {exc}")
-            await self._set_visibility(message, delay_s)
-        else:
-            with contextlib.suppress(Exception):  # a copy left over is a harmless duplicate
-                await self._delete(message)
-        if delay_s:
-            log.info("job.deferred", retry_in_s=delay_s, reason=reason)
-        else:
-            log.info("job.released")
-
-    async def _set_visibility(self, message: dict[str, Any], seconds: int) -> None:
-        try:
-            await asyncio.shield(
-                self.sqs.change_message_visibility(
-                    QueueUrl=self.queue.url,
-                    ReceiptHandle=message["ReceiptHandle"],
-                    VisibilityTimeout=seconds,
-                )
-            )
-        except Exception as exc:  # it still returns after its visibility timeout
-            log.warning("visibility.change_failed", error=str(exc))
-
-    async def _dead_letter(self, message: dict[str, Any], reason: str) -> None:
-        """To the DLQ at once when there is one (then deleted): a message no retry can fix, or
-        one out of tries. Without a DLQ, a message no retry can fix is dropped (and logged)."""
-        if self.queue.dlq_url:
-            await self.sqs.send_message(QueueUrl=self.queue.dlq_url, MessageBody=message["Body"])
-            self.metrics.dlq_moves.labels(reason).inc()
-        log.error("message.dead_lettered", reason=reason, dlq=bool(self.queue.dlq_url))
-        await self._delete(message)
+        """A failed receive: back off, or, on the last try, fail a shard for good (its job goes
+        on) or dead-letter a job (moved by the worker, not left to the redrive: the count includes
+        failed receives carried over from before a release, which SQS's own does not). A merge is
+        never given up by the worker: it is a function of outcomes that exist, and the job cannot
+        end without it; it backs off until it succeeds or SQS's redrive moves it, tries + 3
+        receives on (a job message re-sent then repairs the job)."""
+        delay = self.backoff.delay(receive_count)
+        refs = [e for e in entries if not isinstance(e, Ignored)]
+        merges = bool(refs) and all(isinstance(e, MergeRef) for e in refs)
+        last = goes_to_dlq(receive_count, self.tries) and not merges
+        why = f"{type(exc).__name__}: {exc}"
+        self.metrics.jobs.labels("failed").inc()
+        log.error("job.failed", error=why, retry_in_s=delay, last_try=last)
+        if not last:
+            await self.replies.back_off(message, delay)
+            return
+        if refs and all(isinstance(e, ShardRef) for e in refs):
+            out = Delivery(message.get("MessageId"), self.tries + 1, reason=why)
+            try:
+                for ref in refs:
+                    await self.fanout.run(ref, out)
+            except Exception as again:  # the next receive, past the tries, fails it then
+                log.error("shard.give_up_failed", error=f"{type(again).__name__}: {again}")
+                await self.replies.back_off(message, delay)
+                return
+            await self.replies.delete(message)
+            return
+        await self.replies.dead_letter(message, "max_receives")
