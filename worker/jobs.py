@@ -58,6 +58,11 @@ class JobRejected(Exception):
     """No retry can complete the job (its input object is gone): dead-lettered at once."""
 
 
+class OutOfTries(Exception):
+    """A job message back after its last try died with its worker: dead-lettered, not run again
+    (a split job's is still a repair: it only re-sends what is unfinished)."""
+
+
 @dataclass(frozen=True)
 class OutputKeys:
     results: str

@@ -41,7 +41,7 @@ from worker.events import (
     parse_message,
 )
 from worker.fanout import Delivery, FanOut
-from worker.jobs import JobFailed, JobRejected, JobReport, thread_runner
+from worker.jobs import JobFailed, JobRejected, JobReport, OutOfTries, thread_runner
 from worker.lease import Lease, stop_together
 from worker.metrics import WorkerMetrics
 from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline, ExponentialBackoff, goes_to_dlq
@@ -169,7 +169,9 @@ class Consumer:
         try:
             await task
         except asyncio.CancelledError:
-            pass
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # the loop itself is cancelled, not only the job
         except Exception:  # acking failed: the message returns after its timeout; keep going
             log.exception("message.handling_failed")
 
@@ -209,12 +211,6 @@ class Consumer:
                 self.metrics.jobs.labels("unreadable").inc()
                 await self.replies.dead_letter(message, "unreadable")
                 return
-            if count > self.tries and any(isinstance(e, JobRef) for e in entries):
-                # Its last try died with its worker: out of tries, not run again.
-                log.error("job.out_of_tries", tries=self.tries)
-                self.metrics.jobs.labels("failed").inc()
-                await self.replies.dead_letter(message, "max_receives")
-                return
             lease = Lease(
                 self.sqs,
                 self.queue.url,
@@ -236,7 +232,11 @@ class Consumer:
                 reason = keeper.result() if lost is None else f"the heartbeat failed: {lost!r}"
                 log.error("job.lease_lost", reason=reason)
                 await self._fail(message, entries, count, JobFailed(reason))
-            elif (error := work.exception()) is not None:
+            elif isinstance(error := work.exception(), OutOfTries):
+                log.error("job.out_of_tries", tries=self.tries, reason=str(error))
+                self.metrics.jobs.labels("failed").inc()
+                await self.replies.dead_letter(message, "max_receives")
+            elif error is not None:
                 await self._fail(message, entries, count, error)
             elif work.result():
                 await self.replies.dead_letter(message, "permanent")

@@ -11,12 +11,16 @@ holds. For every request a plan (``decide``) picks an :class:`Action`:
 - ``fake_delete``: answer an SQS ``DeleteMessage``/``DeleteMessageBatch`` with success without
   forwarding, so the message comes back after its visibility timeout;
 - ``duplicate``: forward an SQS ``SendMessage``/``SendMessageBatch`` twice (a duplicate delivery);
+- ``redeliver``: answer a ``ReceiveMessage`` with the message another worker received last, still
+  in its hands (SQS's at-least-once: the same message, in flight, delivered to a second consumer);
+- ``delay``: forward after a pause (a slow request, so a race can be set up);
 - ``kill_before`` / ``kill_after``: the worker dies before this request reaches the endpoint, or
   just after the endpoint committed it; from then on every request of that worker is dropped unsent
   (``on_kill`` is told, to cancel the worker's tasks), so no ``finally`` of a dead worker can touch
   the world;
 - ``forbid_missing`` turns a 404 on GET/HEAD of an object into the 403 ``AccessDenied`` that S3
-  answers a role without ``s3:ListBucket``.
+  answers a role without ``s3:ListBucket``; ``missing`` answers a GET/HEAD ``NoSuchKey`` without
+  forwarding (an object deleted behind the worker's back, as this worker sees it).
 
 The proxy also reads SQS ``ReceiveMessage`` answers, so a plan knows which message (and which receive
 of it) a worker is handling when it decides.
@@ -24,6 +28,7 @@ of it) a worker is handling when it decides.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections import Counter
@@ -54,6 +59,9 @@ ACTIONS = (
     "kill_before",
     "kill_after",
     "forbid_missing",
+    "missing",
+    "delay",
+    "redeliver",
 )
 SQS_WRITES = {
     "SendMessage",
@@ -84,6 +92,7 @@ class Call:
     key: str  # the S3 key, or the SQS queue URL's path
     number: int  # this worker's n-th request (from 1)
     held: Held | None  # the message this worker handles now
+    conditional: bool = False  # an S3 write with If-None-Match or If-Match
 
     @property
     def write(self) -> bool:
@@ -153,6 +162,7 @@ def _s3_write(method: str, key: str, query: dict[str, list[str]], headers: Any) 
 class _Worker:
     number: int = 0
     held: Held | None = None
+    received: bytes | None = None  # the last ReceiveMessage answer that held a message
     dead: bool = False
 
 
@@ -232,18 +242,16 @@ class FaultProxy:
         if action != "forward":
             self.counts[action] += 1
             self.log.append((worker, call.op, call.key, action))
-        if action == "kill_before":
-            self.kill(worker)
-            return self._drop(request, "dead")
-        if action in ("fail_503", "fail_500"):
-            return _error(call.service, 503 if action == "fail_503" else 500)
-        if action == "fake_delete" and call.op in ("DeleteMessage", "DeleteMessageBatch"):
-            return _fake_delete(call.op, body)
+        early = self._before(request, call, action, body, state)
+        if early is not None:
+            return early
+        if action == "delay":
+            await asyncio.sleep(2.5)
         status, headers, data = await self._forward(request, body)
         if action == "duplicate" and call.op in ("SendMessage", "SendMessageBatch"):
             await self._forward(request, body)
-        if call.op == "ReceiveMessage" and status == 200:
-            state.held = _held(data) or state.held
+        if call.op == "ReceiveMessage" and status == 200 and (held := _held(data)):
+            state.held, state.received = held, data
         if action == "kill_after":
             self.kill(worker)
             return self._drop(request, "dead")
@@ -252,6 +260,30 @@ class FaultProxy:
         if action == "forbid_missing" and status == 404 and call.op in ("GetObject", "HeadObject"):
             return _error("s3", 403)
         return _response(request, status, headers, data)
+
+    def _before(
+        self, request: web.Request, call: Call, action: str, body: bytes, state: _Worker
+    ) -> web.StreamResponse | None:
+        """The answer of an action that does not forward the request; None for one that does."""
+        if action == "kill_before":
+            self.kill(call.worker)
+            return self._drop(request, "dead")
+        if action in ("fail_503", "fail_500"):
+            return _error(call.service, 503 if action == "fail_503" else 500)
+        if action == "missing" and call.op in ("GetObject", "HeadObject"):
+            return _error("s3", 404)
+        if action == "fake_delete" and call.op in ("DeleteMessage", "DeleteMessageBatch"):
+            return _fake_delete(call.op, body)
+        if action == "redeliver" and call.op == "ReceiveMessage":
+            other = next(
+                (w for n, w in self._workers.items() if n != call.worker and w.received), None
+            )
+            if other is not None and other.received is not None:
+                state.held = _held(other.received)
+                return web.Response(
+                    status=200, body=other.received, content_type="application/x-amz-json-1.0"
+                )
+        return None
 
     def _call(self, request: web.Request, body: bytes, worker: int, state: _Worker) -> Call:
         state.number += 1
@@ -267,7 +299,8 @@ class FaultProxy:
             return Call(worker, "sqs", form["Action"][0], url, state.number, state.held)
         query = parse_qs(request.query_string, keep_blank_values=True)
         op, key = s3_op(request.method, request.path, query, request.headers)
-        return Call(worker, "s3", op, key, state.number, state.held)
+        conditional = "If-None-Match" in request.headers or "If-Match" in request.headers
+        return Call(worker, "s3", op, key, state.number, state.held, conditional)
 
     async def _forward(self, request: web.Request, body: bytes) -> tuple[int, Any, bytes]:
         assert self._session is not None
@@ -326,6 +359,7 @@ def _error(service: str, status: int) -> web.Response:
         503: ("SlowDown", "Please reduce your request rate."),
         500: ("InternalError", "We encountered an internal error. Please try again."),
         403: ("AccessDenied", "Access Denied"),
+        404: ("NoSuchKey", "The specified key does not exist."),
     }[status]
     xml = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>{message}</Message></Error>"
     return web.Response(status=status, body=xml.encode(), content_type="application/xml")

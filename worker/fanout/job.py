@@ -6,10 +6,11 @@ and every shard without an outcome has been sent a message (one merge message in
 left). So a duplicate notification, a user's re-send, or the splitter's own message back after a
 kill or a lost delete repairs the job, never drops it.
 
-The one exception is a splitter that finds, at its manifest write, another splitter's manifest of
-the same job written meanwhile (two copies of the notification split at once): it sends nothing,
-since that splitter's message is not deleted before it has sent every shard message, and comes back
-(to repair) if it dies first.
+A splitter that finds, at its manifest write, another splitter's manifest (two copies of the
+notification, or SQS's second delivery of one message, split at once) repairs too: it cannot know
+that the other splitter's message will come back if it dies (the two may hold the same message, and
+this one's delete removes it for both), so it sends the shard messages itself. Duplicates cost
+receives that find their shard done, and at most one wave of duplicate scoring.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from worker.fanout.messages import send_merge, send_shards
 from worker.fanout.outcome import finished
 from worker.fanout.plan import Manifest, read_manifest, write_manifest
 from worker.fanout.split import split_input
-from worker.jobs import JobReport, Located, Runner, locate, run_job
+from worker.jobs import JobReport, Located, OutOfTries, Runner, locate, run_job
 from worker.s3io import delete_prefix, exists
 from worker.settings import WorkerSettings
 
 log = structlog.get_logger("arbiter.worker")
 
+LAST_TRY = "its last allowed receive did not finish (the worker died or lost the message)"
 SHARD_LINES_METADATA = "arbiter-shard-lines"  # x-amz-meta-arbiter-shard-lines: this job's own
 
 
@@ -62,7 +64,9 @@ class Splitter:
         self.queue_url, self.merger = queue_url, merger
         self.metrics, self.run_engine = metrics, run
 
-    async def run(self, ref: JobRef) -> JobReport:
+    async def run(self, ref: JobRef, out_of_tries: bool = False) -> JobReport:
+        """Handle a job message; ``out_of_tries``: its last try died, so only a repair (the job
+        was split) is done, and a job that would run or split raises :class:`OutOfTries`."""
         found = await locate(self.s3, ref, self.settings)
         if isinstance(found, JobReport):
             if found.outcome == "duplicate" and found.keys and found.etag:
@@ -72,6 +76,8 @@ class Splitter:
         folder = job_folder(self.settings, ref.bucket, ref.key, found.etag)
         manifest = await read_manifest(self.s3, self.bucket, folder)
         outcome = "repaired"
+        if manifest is None and out_of_tries:
+            raise OutOfTries(f"s3://{ref.bucket}/{ref.key}: {LAST_TRY}")
         if manifest is None:
             shard_lines = shard_lines_for(found, self.settings)
             cut = None
@@ -84,10 +90,7 @@ class Splitter:
             manifest, mine = await write_manifest(self.s3, self.bucket, folder, cut)
             if manifest.plan != cut.plan:  # another plan counts: this one's inputs are not needed
                 await delete_prefix(self.s3, self.bucket, folder.plan_prefix(cut.plan))
-            if not mine:
-                log.info("job.split_elsewhere", plan=manifest.plan)
-                return JobReport("duplicate", ref, found.keys, etag=found.etag)
-            outcome = "split"
+            outcome = "split" if mine else "repaired"
         sent = await self._send(ref, found, folder, manifest)
         if sent is None:
             return JobReport("duplicate", ref, found.keys, etag=found.etag)

@@ -23,7 +23,7 @@ import structlog
 from arbiter.scorer import Scorer
 from worker.events import JobRef, MergeRef, ShardRef
 from worker.fanout import status
-from worker.fanout.job import Splitter
+from worker.fanout.job import LAST_TRY, Splitter
 from worker.fanout.keys import JobFolder, job_folder
 from worker.fanout.merge import Merger
 from worker.fanout.messages import send_merge, shard_body
@@ -35,8 +35,6 @@ from worker.s3io import exists
 from worker.settings import WorkerSettings
 
 log = structlog.get_logger("arbiter.worker")
-
-LAST_TRY_DIED = "its last allowed receive did not finish (the worker died or lost the message)"
 
 
 @dataclass(frozen=True)
@@ -85,7 +83,8 @@ class FanOut:
         if isinstance(ref, MergeRef):
             with structlog.contextvars.bound_contextvars(merge=True):
                 return await self.merge(ref)
-        return await self.splitter.run(ref)
+        out_of_tries = self.tries is not None and delivery.receive_count > self.tries
+        return await self.splitter.run(ref, out_of_tries)
 
     def _where(self, ref: ShardRef | MergeRef) -> tuple[JobRef, JobFolder, OutputKeys]:
         job = JobRef(ref.bucket, ref.key, ref.etag)
@@ -158,7 +157,7 @@ class FanOut:
         last = self.tries is not None and count >= self.tries
         if self.tries is not None and count > self.tries:
             outcome = await self.work.fail(
-                folder, manifest, span, delivery.reason or LAST_TRY_DIED, count
+                folder, manifest, span, delivery.reason or LAST_TRY, count
             )
         else:
             try:
