@@ -51,6 +51,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check_fanout(args: argparse.Namespace) -> int:
+    from worker.check import cmd_check_fanout as run
+
+    return run(args)
+
+
 def cmd_local(args: argparse.Namespace) -> int:
     from worker.local import run_local
 
@@ -76,6 +82,17 @@ def register(sub: Any) -> None:
         "whatever the workers' ARBITER_SHARD_LINES",
     )
     submit.set_defaults(func=cmd_submit)
+
+    check = sub.add_parser(
+        "check-fanout",
+        help="run a small split job on the deployed stack and verify what it left (README: "
+        "Exactly once)",
+    )
+    check.add_argument("--lines", type=int, default=240, help="decisions in the job")
+    check.add_argument("--shard-lines", type=int, default=40, help="lines per shard")
+    check.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait")
+    check.add_argument("--keep", action="store_true", help="keep the job's objects afterwards")
+    check.set_defaults(func=cmd_check_fanout)
 
     local = sub.add_parser(
         "local", help="moto S3+SQS, bucket, queues, notification, `serve` and `work` on this host"

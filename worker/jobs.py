@@ -19,7 +19,6 @@ decision it is given. A job no retry can fix (its input is gone) is rejected.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import hashlib
 import json
@@ -42,7 +41,7 @@ from arbiter.scorer import Scorer
 from arbiter.settings import MB as MiB
 from worker.events import JobRef, normalize_etag
 from worker.formats import PIECE, Item, items_for
-from worker.s3io import abort_uploads, exists, gone, is_precondition_failed, put_new
+from worker.s3io import abort_uploads, exists, gone, put_new, upload_spool
 from worker.settings import WorkerSettings
 
 MAX_KEY_BYTES = 1024  # S3's limit on an object key
@@ -250,86 +249,6 @@ async def write_records(
 
 
 # -- S3 --------------------------------------------------------------------------------------------
-
-
-async def upload_spool(
-    s3: Any,
-    settings: WorkerSettings,
-    key: str,
-    spool: IO[bytes],
-    content_type: str = "application/x-ndjson",
-    exclusive: bool = False,
-) -> bool:
-    """Publish a spooled file whole: one PutObject, or parts completed in one call. ``exclusive``:
-    only if ``key`` does not exist (``If-None-Match: *``); False then if it did (another attempt's
-    copy, or this call's own whose answer was lost: the caller reads it back)."""
-    size = spool.seek(0, os.SEEK_END)
-    spool.seek(0)
-    condition = {"IfNoneMatch": "*"} if exclusive else {}
-    if size <= settings.multipart_threshold_mb * MiB:
-        try:
-            await s3.put_object(
-                Bucket=settings.bucket,
-                Key=key,
-                Body=spool.read(),
-                ContentType=content_type,
-                **condition,
-            )
-        except ClientError as exc:
-            if exclusive and is_precondition_failed(exc):
-                return False
-            raise
-        return True
-    part_size = int(settings.part_size_mb * MiB)
-    upload = await s3.create_multipart_upload(
-        Bucket=settings.bucket, Key=key, ContentType=content_type
-    )
-    upload_id = upload["UploadId"]
-    completed = False
-    try:
-        parts = []
-        number = 1
-        while data := spool.read(part_size):
-            part = await s3.upload_part(
-                Bucket=settings.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data
-            )
-            parts.append({"PartNumber": number, "ETag": part["ETag"]})
-            number += 1
-        completed = await complete_upload(s3, settings.bucket, key, upload_id, parts, condition)
-        return completed
-    finally:
-        if not completed:
-            with contextlib.suppress(Exception):  # a leftover is aborted once the job is done
-                await asyncio.shield(
-                    s3.abort_multipart_upload(Bucket=settings.bucket, Key=key, UploadId=upload_id)
-                )
-
-
-async def complete_upload(
-    s3: Any,
-    bucket: str,
-    key: str,
-    upload_id: str,
-    parts: list[dict[str, Any]],
-    condition: dict[str, str],
-) -> bool:
-    """CompleteMultipartUpload; False if, under ``If-None-Match``, the object exists (a 412, or the
-    NoSuchUpload that a resend meets once its first copy completed)."""
-    try:
-        await s3.complete_multipart_upload(
-            Bucket=bucket,
-            Key=key,
-            UploadId=upload_id,
-            MultipartUpload={"Parts": parts},
-            **condition,
-        )
-    except ClientError as exc:
-        code = exc.response.get("Error", {}).get("Code")
-        lost = is_precondition_failed(exc) or code == "NoSuchUpload"
-        if condition and lost and await exists(s3, bucket, key):
-            return False
-        raise
-    return True
 
 
 @dataclass(frozen=True)

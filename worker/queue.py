@@ -24,27 +24,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
 
 from arbiter.scorer import Scorer
+from worker.dispatch import Dispatch
 from worker.events import (
-    Ignored,
-    JobRef,
-    MergeRef,
-    Ref,
-    ShardRef,
     UnreadableMessage,
     parse_message,
 )
 from worker.fanout import Delivery, FanOut
-from worker.jobs import JobFailed, JobRejected, JobReport, OutOfTries, thread_runner
+from worker.jobs import JobFailed, OutOfTries, thread_runner
 from worker.lease import Lease, stop_together
 from worker.metrics import WorkerMetrics
-from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline, ExponentialBackoff, goes_to_dlq
+from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline, ExponentialBackoff
 from worker.replies import FAILED_RECEIVES, QueueInfo, Replies, describe_queue, receive_count
 from worker.settings import WorkerSettings
 
@@ -107,7 +102,7 @@ class Consumer:
             self.metrics,
             self._run_engine,
         )
-        self.on_job_start: Callable[[JobRef], None] | None = None
+        self.dispatch = Dispatch(self.fanout, self.replies, self.metrics, self.backoff, self.tries)
 
     def stop(self) -> None:
         """Stop receiving; the job in hand may finish until the drain deadline."""
@@ -222,7 +217,7 @@ class Consumer:
             )
             keeper = asyncio.create_task(lease.keep())
             delivery = Delivery(message.get("MessageId"), count)
-            work = asyncio.create_task(self._run_all(entries, delivery))
+            work = asyncio.create_task(self.dispatch.run_all(entries, delivery))
             try:
                 await asyncio.wait({keeper, work}, return_when=asyncio.FIRST_COMPLETED)
             finally:  # whichever ends first stops the other (and a cancelled handle stops both)
@@ -231,92 +226,14 @@ class Consumer:
                 lost = keeper.exception()
                 reason = keeper.result() if lost is None else f"the heartbeat failed: {lost!r}"
                 log.error("job.lease_lost", reason=reason)
-                await self._fail(message, entries, count, JobFailed(reason))
+                await self.dispatch.fail(message, entries, count, JobFailed(reason))
             elif isinstance(error := work.exception(), OutOfTries):
                 log.error("job.out_of_tries", tries=self.tries, reason=str(error))
                 self.metrics.jobs.labels("failed").inc()
                 await self.replies.dead_letter(message, "max_receives")
             elif error is not None:
-                await self._fail(message, entries, count, error)
+                await self.dispatch.fail(message, entries, count, error)
             elif work.result():
                 await self.replies.dead_letter(message, "permanent")
             else:
                 await self.replies.delete(message)
-
-    async def _run_all(self, entries: list[Ref | Ignored], delivery: Delivery) -> list[str]:
-        """Run the message's jobs in turn; the reasons of those rejected for good."""
-        rejected = []
-        for entry in entries:
-            if isinstance(entry, Ignored):
-                log.info("job.ignored", reason=entry.reason)
-                self.metrics.jobs.labels("ignored").inc()
-                continue
-            try:
-                await self._run(entry, delivery)
-            except JobRejected as exc:
-                log.error("job.rejected", key=entry.key, reason=str(exc))
-                self.metrics.jobs.labels("rejected").inc()
-                rejected.append(str(exc))
-        return rejected
-
-    async def _run(self, ref: Ref, delivery: Delivery) -> JobReport:
-        started = time.perf_counter()
-        what = {"ShardRef": "shard", "MergeRef": "merge"}.get(type(ref).__name__, "job")
-        with structlog.contextvars.bound_contextvars(bucket=ref.bucket, key=ref.key, etag=ref.etag):
-            log.info(f"{what}.started")
-            if self.on_job_start is not None and isinstance(ref, JobRef):
-                self.on_job_start(ref)
-            report = await self.fanout.run(ref, delivery)
-            seconds = time.perf_counter() - started
-            if report.outcome != "shard":
-                self.metrics.jobs.labels(report.outcome).inc()
-            if report.outcome == "ok":
-                self.metrics.job_seconds.observe(seconds)
-            elif report.outcome == "merged" and report.summary:
-                self.metrics.job_seconds.observe(report.summary["seconds"]["total"])
-            summary = report.summary or {}
-            log.info(
-                f"{what}.finished",
-                outcome=report.outcome,
-                results=report.keys.results if report.keys else None,
-                lines=summary.get("lines"),
-                failed=summary.get("failed"),
-                seconds=round(seconds, 3),
-            )
-            return report
-
-    async def _fail(
-        self,
-        message: dict[str, Any],
-        entries: list[Ref | Ignored],
-        receive_count: int,
-        exc: BaseException,
-    ) -> None:
-        """A failed receive: back off, or, on the last try, fail a shard for good (its job goes
-        on) or dead-letter a job (moved by the worker, not left to the redrive: the count includes
-        failed receives carried over from before a release, which SQS's own does not). A merge is
-        never given up by the worker: it is a function of outcomes that exist, and the job cannot
-        end without it; it backs off until it succeeds or SQS's redrive moves it, tries + 3
-        receives on (a job message re-sent then repairs the job)."""
-        delay = self.backoff.delay(receive_count)
-        refs = [e for e in entries if not isinstance(e, Ignored)]
-        merges = bool(refs) and all(isinstance(e, MergeRef) for e in refs)
-        last = goes_to_dlq(receive_count, self.tries) and not merges
-        why = f"{type(exc).__name__}: {exc}"
-        self.metrics.jobs.labels("failed").inc()
-        log.error("job.failed", error=why, retry_in_s=delay, last_try=last)
-        if not last:
-            await self.replies.back_off(message, delay)
-            return
-        if refs and all(isinstance(e, ShardRef) for e in refs):
-            out = Delivery(message.get("MessageId"), self.tries + 1, reason=why)
-            try:
-                for ref in refs:
-                    await self.fanout.run(ref, out)
-            except Exception as again:  # the next receive, past the tries, fails it then
-                log.error("shard.give_up_failed", error=f"{type(again).__name__}: {again}")
-                await self.replies.back_off(message, delay)
-                return
-            await self.replies.delete(message)
-            return
-        await self.replies.dead_letter(message, "max_receives")

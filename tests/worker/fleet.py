@@ -71,6 +71,17 @@ class Fleet:
         return [w.registry for w in self.workers.values()]
 
     async def _spawn(self) -> None:
+        """Start a worker; one that fails to start (killed, or its queue look-up refused) is
+        discarded and another started, as the pool restarts a process that dies at start."""
+        for _ in range(20):
+            try:
+                await self._start_one()
+                return
+            except Exception:
+                continue
+        raise AssertionError("no worker could start")
+
+    async def _start_one(self) -> None:
         from aiobotocore.session import get_session
 
         number = self._next
@@ -80,9 +91,15 @@ class Fleet:
         url = await self.proxy.endpoint(number)
         kw = {"region_name": "us-east-1", "endpoint_url": url, **CREDS}
         session = get_session()
-        s3 = await worker.stack.enter_async_context(session.create_client("s3", **kw))
-        sqs = await worker.stack.enter_async_context(session.create_client("sqs", **kw))
-        queue = await describe_queue(sqs, self.settings)
+        try:
+            s3 = await worker.stack.enter_async_context(session.create_client("s3", **kw))
+            sqs = await worker.stack.enter_async_context(session.create_client("sqs", **kw))
+            queue = await describe_queue(sqs, self.settings)
+        except BaseException:
+            self.workers.pop(number, None)
+            with contextlib.suppress(Exception):
+                await worker.stack.aclose()
+            raise
         metrics = WorkerMetrics(worker.registry)
         consumer = Consumer(self.settings, s3, sqs, self.engine(number), queue, metrics)
         consumer.handle = self._tracked(worker, consumer.handle)  # type: ignore[method-assign]
@@ -120,7 +137,8 @@ class Fleet:
 
     async def _stop(self, worker: _Worker, graceful: bool) -> None:
         """Stop a worker: drained (``graceful``), or killed: its tasks cancelled at once."""
-        assert worker.consumer is not None and worker.task is not None
+        if worker.consumer is None or worker.task is None:  # killed while it started
+            return
         worker.consumer.stop()
         if not graceful:
             for task in (worker.task, *worker.handles):

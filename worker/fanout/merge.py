@@ -32,8 +32,8 @@ from worker.fanout.outcome import Outcome, read_all
 from worker.fanout.parts import S3_MIN_PART, MiB, Part, plan_upload
 from worker.fanout.plan import Manifest
 from worker.fanout.summary import build_summary
-from worker.jobs import JobFailed, OutputKeys, complete_upload, raw_chunks
-from worker.s3io import abort_uploads, delete_prefix, exists, get_json, put_new
+from worker.jobs import JobFailed, OutputKeys, raw_chunks
+from worker.s3io import abort_uploads, complete_upload, delete_prefix, exists, get_json, put_new
 from worker.settings import WorkerSettings
 
 log = structlog.get_logger("arbiter.worker")

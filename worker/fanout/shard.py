@@ -36,8 +36,8 @@ from worker.fanout.keys import JobFolder
 from worker.fanout.outcome import Outcome
 from worker.fanout.plan import Manifest, ShardSpan
 from worker.formats import Item, decode_items
-from worker.jobs import JobRejected, Runner, raw_chunks, upload_spool, write_records
-from worker.s3io import gone
+from worker.jobs import JobRejected, Runner, raw_chunks, write_records
+from worker.s3io import gone, upload_spool
 from worker.settings import WorkerSettings
 
 log = structlog.get_logger("arbiter.worker")

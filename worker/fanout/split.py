@@ -29,8 +29,8 @@ from worker.fanout.frames import frame
 from worker.fanout.keys import JobFolder
 from worker.fanout.plan import MAX_SHARDS, Manifest, ShardSpan, plan_id
 from worker.formats import item_kind, raw_items_for
-from worker.jobs import JobRejected, Located, open_input, raw_chunks, upload_spool
-from worker.s3io import delete_prefix
+from worker.jobs import JobRejected, Located, open_input, raw_chunks
+from worker.s3io import delete_prefix, upload_spool
 from worker.settings import WorkerSettings
 
 _NO_STATE = object()
