@@ -65,12 +65,18 @@ async def _versions(s3: Any, bucket: str, key: str) -> int | None:
 
 
 async def _dlq_depth(sqs: Any, settings: WorkerSettings) -> int | None:
+    """The depth of the job queue's dead-letter queue (found from its redrive policy, as the
+    workers find it); None if it cannot be read."""
+    from worker.replies import describe_queue
+
     try:
-        url = (await sqs.get_queue_url(QueueName=settings.dlq_name))["QueueUrl"]
+        queue = await describe_queue(sqs, settings)
+        if queue.dlq_url is None:
+            return None
         got = await sqs.get_queue_attributes(
-            QueueUrl=url, AttributeNames=["ApproximateNumberOfMessages"]
+            QueueUrl=queue.dlq_url, AttributeNames=["ApproximateNumberOfMessages"]
         )
-    except Exception:  # not allowed, or named otherwise: reported as unknown
+    except Exception:  # not allowed to read it: reported as unknown
         return None
     return int(got["Attributes"]["ApproximateNumberOfMessages"])
 

@@ -100,8 +100,9 @@ async def blackbox(
     lines: int = 240,
     shard_lines: int = 40,
     processes: int = 2,
-    kill_every: tuple[float, float] = (0.4, 1.6),
+    kill_every: tuple[float, float] = (0.3, 1.2),
     timeout_s: float = 300,
+    engine_delay_s: float = 0.08,
 ) -> dict[str, Any]:
     """One black-box run (see the module doc); its figures, and what did not hold."""
     started = time.monotonic()
@@ -109,7 +110,7 @@ async def blackbox(
     reset_moto(endpoint)
     rng = random.Random(seed)
     settings = WorkerSettings(aws_endpoint_url=endpoint, bucket="jobs", max_line_bytes=400)
-    faults = RandomFaults(seed, lose=0.04, slow_down=0.02, fake_delete=0.25)
+    faults = RandomFaults(seed, lose=0.05, slow_down=0.02, fake_delete=0.25)
     proxy = FaultProxy(endpoint, faults)
     await proxy.start()
     kills: list[int] = []
@@ -126,7 +127,7 @@ async def blackbox(
                 ARBITER_MAX_LINE_BYTES=400,
                 ARBITER_VISIBILITY_TIMEOUT_S=3,
                 ARBITER_HEARTBEAT_S=1,
-                ARBITER_FAKE_DELAY_S=0.05,
+                ARBITER_FAKE_DELAY_S=engine_delay_s,
                 ARBITER_CHUNK_DECISIONS=8,
                 ARBITER_BACKOFF_BASE_S=0.5,
                 ARBITER_BACKOFF_MAX_S=2,
@@ -229,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=19)
     parser.add_argument("--jobs", type=int, default=3)
     parser.add_argument("--lines", type=int, default=240)
+    parser.add_argument("--kill-every", type=float, nargs=2, default=(0.3, 1.2), metavar="S")
     args = parser.parse_args(argv)
-    figures = asyncio.run(blackbox(args.seed, args.jobs, args.lines))
+    figures = asyncio.run(blackbox(args.seed, args.jobs, args.lines, kill_every=args.kill_every))
     print(json.dumps(figures, indent=1))
     return 1 if figures["violations"] else 0
 

@@ -50,4 +50,5 @@ async def test_check_fanout_runs_a_split_job_and_every_check_holds(endpoint: str
         }
     assert ok and failed == [], failed
     assert summary["shards"]["count"] == 4 and "the results written once" in names
+    assert "the dead-letter queue did not grow" in names
     assert {"one record per line, in order", "nothing left in the shard folder"} <= tampered
