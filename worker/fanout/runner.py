@@ -138,12 +138,21 @@ class FanOut:
         duplicate merge message, harmless). With no status (deleted, or final), the outcomes are
         listed instead."""
         failed = outcome.state == "failed"
-        doc = await status.update(
-            self.s3,
-            self.bucket,
-            status.status_key(keys),
-            lambda d: status.count_shard(d, outcome.index, outcome.lines, outcome.failed, failed),
-        )
+        try:
+            doc = await status.update(
+                self.s3,
+                self.bucket,
+                status.status_key(keys),
+                lambda d: status.count_shard(
+                    d, outcome.index, outcome.lines, outcome.failed, failed
+                ),
+            )
+        except Exception:
+            # Not counted: if every outcome exists already, the merge is sent anyway; else the
+            # message comes back and counts again (a count must land for the last one to see it).
+            if len(await finished(self.s3, self.bucket, folder)) >= manifest.count:
+                return True
+            raise
         done = None if doc is None else status.complete(doc)
         if done is None:
             done = len(await finished(self.s3, self.bucket, folder)) >= manifest.count

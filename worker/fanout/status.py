@@ -132,16 +132,20 @@ async def finish(s3: Any, bucket: str, keys: OutputKeys, summary: dict[str, Any]
 
 
 async def start(s3: Any, bucket: str, key: str, doc: dict[str, Any]) -> None:
-    """Write the first status unless one exists (a redelivered split leaves it as it is). A final
-    status found here is an earlier run's (the input's outputs were deleted and it was sent again):
-    it is replaced. The caller then checks for the summary and, if the job is in fact finished,
-    writes the final status again, so the last status written is always the true one."""
+    """Write the first status unless one exists (a redelivered split leaves it as it is). A status
+    found here of another run of the same input (final, or started by another manifest: the input's
+    outputs were deleted and it was sent again) is replaced. The caller then checks for the summary
+    and, if the job is in fact finished, writes the final status again, so the last status written
+    is always the true one."""
     if await put_new(s3, bucket, key, doc):
         return
     got = await get_json(s3, bucket, key)
-    if got is not None and got[0]["state"] in FINAL:
+    if got is None:
+        return
+    found, etag = got
+    if found["state"] in FINAL or found.get("started_ts") != doc["started_ts"]:
         with contextlib.suppress(PreconditionFailed):
-            await put_json(s3, bucket, key, doc, IfMatch=got[1])
+            await put_json(s3, bucket, key, doc, IfMatch=etag)
 
 
 async def update(
