@@ -121,6 +121,8 @@ class FanOut:
             return JobReport("shard", job, keys)
         else:
             outcome = await self._settle(folder, manifest, span, delivery)
+        if outcome.state == "failed":
+            await self._record_failed(manifest, span.index)
         # After this worker's write: a summary found now means the clean-up may have missed it.
         if await self._ended(keys, folder):
             return JobReport("shard", job, keys)
@@ -182,16 +184,20 @@ class FanOut:
         if not mine:
             self._count("duplicate")
             return counted
-        failed = counted.state == "failed"
-        self._count("failed" if failed else "ok")
-        if failed and self.dlq_url:  # a record of the shard that failed for good
+        self._count("failed" if counted.state == "failed" else "ok")
+        log.info("shard.done", state=counted.state, lines=counted.lines, failed=counted.failed)
+        return counted
+
+    async def _record_failed(self, manifest: Manifest, index: int) -> None:
+        """A copy of a failed shard's message in the dead-letter queue, as a record for whoever
+        watches it: sent by every receive that finds the shard failed, before its message is
+        deleted, so a worker killed in between cannot lose it (a record may come twice)."""
+        if self.dlq_url:
             await self.sqs.send_message(
-                QueueUrl=self.dlq_url, MessageBody=shard_body(manifest, span.index)
+                QueueUrl=self.dlq_url, MessageBody=shard_body(manifest, index)
             )
             if self.metrics is not None:
                 self.metrics.dlq_moves.labels("shard_failed").inc()
-        log.info("shard.done", state=counted.state, lines=counted.lines, failed=counted.failed)
-        return counted
 
     async def _gone(self, job: JobRef, folder: JobFolder, keys: OutputKeys, what: str) -> JobReport:
         if await self._ended(keys, folder):
