@@ -306,6 +306,7 @@ def totals(results: list[Result]) -> dict[str, Any]:
         "kills": sum(r.kills for r in results),
         "faults": dict(sorted(faults.items())),
         "seconds_per_seed": round(sum(r.seconds for r in results) / max(1, len(results)), 2),
+        "slowest_seed_s": max((r.seconds for r in results), default=0),
     }
 
 
