@@ -10,7 +10,7 @@ from typing import Any
 
 import structlog
 
-from worker.events import Ignored, MergeRef, Ref, ShardRef
+from worker.events import Ignored, Ref, ShardRef
 from worker.fanout import Delivery, FanOut
 from worker.jobs import JobRejected, JobReport
 from worker.metrics import WorkerMetrics
@@ -81,31 +81,30 @@ class Dispatch:
         receive_count: int,
         exc: BaseException,
     ) -> None:
-        """A failed receive: back off, or, on the last try, fail a shard for good (its job goes
-        on) or dead-letter a job (moved by the worker, not left to the redrive: the count includes
-        failed receives carried over from before a release, which SQS's own does not). A merge is
+        """A failed receive: back off; on a shard's last try, fail the shard for good (its job
+        goes on). A job message backs off on its last try too: the receive after it (past the
+        tries, the redrive allows 3 more) repairs a split job, or gives the job its last look
+        and then dead-letters it (``Consumer``): moved by the worker, not left to the redrive,
+        since the count includes failed receives carried over from before a release. A merge is
         never given up by the worker: it is a function of outcomes that exist, and the job cannot
-        end without it; it backs off until it succeeds or SQS's redrive moves it, tries + 3
-        receives on (a job message re-sent then repairs the job)."""
+        end without it; it backs off until it succeeds or SQS's redrive moves it (a job message
+        re-sent then repairs the job)."""
         delay = self.backoff.delay(receive_count)
         refs = [e for e in entries if not isinstance(e, Ignored)]
-        merges = bool(refs) and all(isinstance(e, MergeRef) for e in refs)
-        last = goes_to_dlq(receive_count, self.tries) and not merges
+        shards = bool(refs) and all(isinstance(e, ShardRef) for e in refs)
+        last = goes_to_dlq(receive_count, self.tries) and shards
         why = f"{type(exc).__name__}: {exc}"
         self.metrics.jobs.labels("failed").inc()
         log.error("job.failed", error=why, retry_in_s=delay, last_try=last)
         if not last:
             await self.replies.back_off(message, delay)
             return
-        if refs and all(isinstance(e, ShardRef) for e in refs):
-            out = Delivery(message.get("MessageId"), self.tries + 1, reason=why)
-            try:
-                for ref in refs:
-                    await self.fanout.run(ref, out)
-            except Exception as again:  # the next receive, past the tries, fails it then
-                log.error("shard.give_up_failed", error=f"{type(again).__name__}: {again}")
-                await self.replies.back_off(message, delay)
-                return
-            await self.replies.delete(message)
+        out = Delivery(message.get("MessageId"), self.tries + 1, reason=why)
+        try:
+            for ref in refs:
+                await self.fanout.run(ref, out)
+        except Exception as again:  # the next receive, past the tries, fails it then
+            log.error("shard.give_up_failed", error=f"{type(again).__name__}: {again}")
+            await self.replies.back_off(message, delay)
             return
-        await self.replies.dead_letter(message, "max_receives")
+        await self.replies.delete(message)

@@ -40,7 +40,15 @@ from worker.jobs import JobFailed, OutOfTries, thread_runner
 from worker.lease import Lease, stop_together
 from worker.metrics import WorkerMetrics
 from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline, ExponentialBackoff
-from worker.replies import FAILED_RECEIVES, QueueInfo, Replies, describe_queue, receive_count
+from worker.replies import (
+    FAILED_RECEIVES,
+    LAST_LOOK,
+    QueueInfo,
+    Replies,
+    describe_queue,
+    last_look,
+    receive_count,
+)
 from worker.settings import WorkerSettings
 
 log = structlog.get_logger("arbiter.worker")
@@ -170,6 +178,18 @@ class Consumer:
         except Exception:  # acking failed: the message returns after its timeout; keep going
             log.exception("message.handling_failed")
 
+    async def _out_of_tries(self, message: dict[str, Any], error: OutOfTries) -> None:
+        """A job message past its tries, its job neither finished nor split: one last look after
+        two visibility timeouts (a slow holder the message was shown again behind may yet finish
+        or split it), then the dead-letter queue."""
+        if last_look(message):
+            log.error("job.out_of_tries", tries=self.tries, reason=str(error))
+            await self.replies.dead_letter(message, "max_receives")
+            return
+        delay = 2 * self.settings.visibility_timeout_s
+        log.warning("job.last_look", tries=self.tries, retry_in_s=delay)
+        await self.replies.release(message, delay_s=delay, last_look=True)
+
     async def _receive(self) -> list[dict[str, Any]]:
         response = await self.sqs.receive_message(
             QueueUrl=self.queue.url,
@@ -177,7 +197,7 @@ class Consumer:
             WaitTimeSeconds=self.settings.wait_time_s,
             VisibilityTimeout=self.settings.visibility_timeout_s,
             MessageSystemAttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
-            MessageAttributeNames=[FAILED_RECEIVES],
+            MessageAttributeNames=[FAILED_RECEIVES, LAST_LOOK],
         )
         messages: list[dict[str, Any]] = response.get("Messages", [])
         now_ms = time.time() * 1000
@@ -228,9 +248,7 @@ class Consumer:
                 log.error("job.lease_lost", reason=reason)
                 await self.dispatch.fail(message, entries, count, JobFailed(reason))
             elif isinstance(error := work.exception(), OutOfTries):
-                log.error("job.out_of_tries", tries=self.tries, reason=str(error))
-                self.metrics.jobs.labels("failed").inc()
-                await self.replies.dead_letter(message, "max_receives")
+                await self._out_of_tries(message, error)
             elif error is not None:
                 await self.dispatch.fail(message, entries, count, error)
             elif work.result():

@@ -4,9 +4,12 @@ back it off, give it back, or dead-letter it.
 **Tries.** The worker allows a message ``ARBITER_MAX_RECEIVE_COUNT`` receives (its *tries*); the
 queue's redrive policy allows :data:`~worker.policies.REDRIVE_MARGIN` more, so the worker always sees
 the receive after a message's last try, even when that try died with its worker (SIGKILL, OOM, an
-abort in llama.cpp, a stopped task): a job message is then dead-lettered by the worker itself, a
-shard is failed without running so its job still finishes. Only a message that outlives even the
-margin (every receive failing before the worker can answer it) is moved by SQS's redrive.
+abort in llama.cpp, a stopped task): a shard is then failed without running so its job still
+finishes; a job message gets one last look after a delay (a receive count can also grow because
+SQS showed the message again while a slow holder still worked on it: that holder may yet finish)
+and is dead-lettered if its job has neither a summary nor a manifest by then. Only a message that
+outlives even the margin (every receive failing before the worker can answer it) is moved by SQS's
+redrive.
 """
 
 from __future__ import annotations
@@ -26,6 +29,12 @@ from worker.settings import WorkerSettings
 log = structlog.get_logger("arbiter.worker")
 
 FAILED_RECEIVES = "ArbiterFailedReceives"  # message attribute: failed receives before a release
+LAST_LOOK = "ArbiterLastLook"  # message attribute: a job out of tries, given one more look
+
+
+def last_look(message: dict[str, Any]) -> bool:
+    """Whether this is a job's last look (see the module doc)."""
+    return LAST_LOOK in message.get("MessageAttributes", {})
 
 
 def receive_count(message: dict[str, Any]) -> int:
@@ -89,24 +98,29 @@ class Replies:
         except Exception as exc:
             log.warning("visibility.change_failed", error=str(exc))
 
-    async def release(self, message: dict[str, Any]) -> None:
-        """Give the message back at once (a drain deadline passed), for another worker: sent again
-        as a new message carrying its failed receives, then deleted, so the release is not counted
-        as a receive that failed. If the copy cannot be sent, it is made visible instead."""
+    async def release(
+        self, message: dict[str, Any], delay_s: int = 0, last_look: bool = False
+    ) -> None:
+        """Give the message back (a drain deadline passed: at once; a job out of tries: after
+        ``delay_s``, marked for its last look), for another worker: sent again as a new message
+        carrying its failed receives, then deleted, so the release is not counted as a receive
+        that failed. If the copy cannot be sent, it is made visible instead (after the delay)."""
         failed = receive_count(message) - 1
+        attributes = {FAILED_RECEIVES: {"DataType": "Number", "StringValue": str(failed)}}
+        if last_look:
+            attributes[LAST_LOOK] = {"DataType": "String", "StringValue": "1"}
         try:
             await asyncio.shield(
                 self.sqs.send_message(
                     QueueUrl=self.queue.url,
                     MessageBody=message["Body"],
-                    MessageAttributes={
-                        FAILED_RECEIVES: {"DataType": "Number", "StringValue": str(failed)}
-                    },
+                    DelaySeconds=min(900, delay_s),
+                    MessageAttributes=attributes,
                 )
             )
         except Exception as exc:
             log.warning("release.resend_failed", error=f"{type(exc).__name__}: {exc}")
-            await self.back_off(message, 0)
+            await self.back_off(message, delay_s)
         else:
             with contextlib.suppress(Exception):  # a copy left over is a harmless duplicate
                 await self.delete(message)

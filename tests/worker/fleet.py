@@ -156,12 +156,18 @@ class Fleet:
             await worker.stack.aclose()
         self.workers.pop(worker.number, None)
 
+    def idle(self) -> bool:
+        """No worker is handling a message (one SQS showed again behind a slow holder may still
+        be in hand after the queue looks empty)."""
+        return not any(w.handles for w in self.workers.values())
+
     async def run_until(
         self, done: Callable[[], Awaitable[bool]], within_s: float = 60, interval: float = 0.2
     ) -> None:
-        """Let the fleet work until ``done()`` (checked on direct clients), or fail."""
+        """Let the fleet work until ``done()`` (checked on direct clients) holds with every worker
+        idle, or fail."""
         deadline = asyncio.get_running_loop().time() + within_s
-        while not await done():
+        while not (await done() and self.idle() and await done()):
             if asyncio.get_running_loop().time() > deadline:
                 raise AssertionError(f"not done within {within_s} s")
             await asyncio.sleep(interval)

@@ -132,7 +132,9 @@ async def violations(
     if uploads.get("Uploads"):
         bad.append(f"multipart uploads left: {[u['Key'] for u in uploads['Uploads']][:5]}")
     if await pending(sqs, stack["queue_url"]):
-        bad.append("messages left on the job queue")
+        left_messages = await receive_all(sqs, stack["queue_url"], wait=1)
+        bodies = [m["Body"][:160] for m in left_messages]
+        bad.append(f"messages left on the job queue: {bodies}")
     dead = []
     for _ in range(5):
         got = await receive_all(sqs, stack["dlq_url"], wait=0)
