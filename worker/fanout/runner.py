@@ -120,7 +120,12 @@ class FanOut:
             self._count("duplicate")
             return JobReport("shard", job, keys)
         else:
-            outcome = await self._settle(folder, manifest, span, delivery)
+            settled = await self._settle(folder, keys, manifest, span, delivery)
+            if settled is None:  # the job ended while this shard was scored
+                await self.merger.finalize(keys, folder)
+                self._count("duplicate")
+                return JobReport("shard", job, keys)
+            outcome = settled
         if outcome.state == "failed":
             await self._record_failed(manifest, span.index)
         # After this worker's write: a summary found now means the clean-up may have missed it.
@@ -161,9 +166,19 @@ class FanOut:
         return done
 
     async def _settle(
-        self, folder: JobFolder, manifest: Manifest, span: ShardSpan, delivery: Delivery
-    ) -> Outcome:
-        """Score or fail the shard and publish its outcome; the outcome that counts."""
+        self,
+        folder: JobFolder,
+        keys: OutputKeys,
+        manifest: Manifest,
+        span: ShardSpan,
+        delivery: Delivery,
+    ) -> Outcome | None:
+        """Score or fail the shard and publish its outcome; the outcome that counts, or None if the
+        job ended while the shard was scored (nothing is written then)."""
+
+        async def wanted() -> bool:
+            return not await exists(self.s3, self.bucket, keys.summary)
+
         count = delivery.receive_count
         last = self.tries is not None and count >= self.tries
         if self.tries is not None and count > self.tries:
@@ -172,7 +187,10 @@ class FanOut:
             )
         else:
             try:
-                outcome = await self.work.score(folder, manifest, span, last_try=last)
+                scored = await self.work.score(folder, manifest, span, last, wanted)
+                if scored is None:
+                    return None
+                outcome = scored
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

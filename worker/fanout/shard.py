@@ -21,7 +21,7 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import IO, Any
 
@@ -111,9 +111,16 @@ class ShardWork:
             raise
 
     async def score(
-        self, folder: JobFolder, manifest: Manifest, span: ShardSpan, last_try: bool
-    ) -> Outcome:
-        """Score the shard into this attempt's own output (see the module doc)."""
+        self,
+        folder: JobFolder,
+        manifest: Manifest,
+        span: ShardSpan,
+        last_try: bool,
+        wanted: Callable[[], Awaitable[bool]] | None = None,
+    ) -> Outcome | None:
+        """Score the shard into this attempt's own output (see the module doc); None, with nothing
+        written, if ``wanted()`` says after the scoring that the job no longer needs it (it ended
+        meanwhile: a write into its folder now could outlive the clean-up)."""
         started = time.perf_counter()
         got = await self._open(folder, manifest, span.index)
         runs = _Runs()
@@ -133,6 +140,8 @@ class ShardWork:
                 )
             if tally.lines != span.items:
                 raise DamagedShard(f"shard {span.index} has {tally.lines} items, not {span.items}")
+            if wanted is not None and not await wanted():
+                return None
             size = spool.tell()
             await upload_spool(self.s3, self.settings, output, spool)
         log.info("shard.scored", lines=tally.lines, failed=tally.failed, bytes=size)
