@@ -2,8 +2,8 @@
 
 The core (``arbiter/``, but for its CLI composition root) imports no entry point and no HTTP or AWS
 library; the entry points (``adapter``, ``worker``, ``evaluation``, ``infra``) import the core and
-not each other; nothing imports ``bench`` but the CLI; only the engine's ``llama`` and ``backends``
-modules touch llama.cpp.
+not each other; nothing imports ``bench`` but the CLI; only the engine's ``llama``, ``backends``,
+``sampler`` and ``grammar`` modules touch llama.cpp.
 """
 
 from __future__ import annotations
@@ -21,7 +21,12 @@ BENCH = "bench"
 GPU_CHECK = "gpucheck"  # a development tool, like bench: nothing in the product imports it
 COMPOSITION_ROOT = Path("arbiter/cli.py")
 HTTP_AND_AWS = ("aiohttp", "aiobotocore", "botocore", "boto3", "moto", "prometheus_client")
-LLAMA_MODULES = {Path("arbiter/engine/llama.py"), Path("arbiter/engine/backends.py")}
+LLAMA_MODULES = {
+    Path("arbiter/engine/llama.py"),
+    Path("arbiter/engine/backends.py"),
+    Path("arbiter/engine/sampler.py"),  # the sampler chain and grammars (llama_sampler_*)
+    Path("arbiter/engine/grammar.py"),  # llama-cpp-python's JSON-schema-to-GBNF converter
+}
 
 
 def modules(package: str) -> list[Path]:

@@ -1,0 +1,61 @@
+"""JSON schemas as GBNF grammars, with the converter llama-cpp-python ships
+(``llama_cpp.llama_grammar.SchemaConverter``), for structured outputs.
+
+The schema is checked first (``json_schema``: only constraints the grammar enforces). Two defects
+of that converter are corrected here, both as in llama.cpp's own C++ converter: it did not escape
+backslashes in literals (a ``const``, ``enum`` value or property name with a quote, a backslash
+or a newline gave a broken grammar or invalid JSON), and its string characters admitted raw
+control characters, which JSON forbids inside strings.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+from llama_cpp import llama_grammar
+
+from arbiter.engine.json_schema import check_schema, normalized
+from arbiter.errors import UnsupportedParameter
+
+# A JSON string character: anything but a quote, a backslash or a control character, or an escape.
+_JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
+_LITERAL_ESCAPES = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
+_LITERAL_ESCAPE = re.compile(r'[\r\n"\\]')
+
+
+class _Converter(llama_grammar.SchemaConverter):
+    def _format_literal(self, literal: str) -> str:
+        return '"' + _LITERAL_ESCAPE.sub(lambda m: _LITERAL_ESCAPES[m.group(0)], literal) + '"'
+
+    def _add_primitive(self, name: str, rule: Any) -> str:
+        if name == "char":
+            rule = llama_grammar.BuiltinRule(_JSON_CHAR, [])
+        return str(super()._add_primitive(name, rule))
+
+
+_CONVERTER: Any = _Converter  # llama_grammar is untyped
+
+
+def schema_grammar(schema: Any, param: str) -> str:
+    """The GBNF grammar of JSON values that validate against ``schema``; ``UnsupportedParameter``
+    (naming ``param``) for a schema with a constraint the grammar would not enforce."""
+    check_schema(schema, param)
+    converter: Any = _CONVERTER(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    try:
+        resolved = converter.resolve_refs(normalized(copy.deepcopy(schema)), "schema")
+        converter.visit(resolved, "")
+        return str(converter.format_grammar())
+    except RecursionError:
+        raise UnsupportedParameter(f"{param}: the schema nests too deeply", param=param) from None
+    except Exception as exc:  # the converter's own refusals are asserts and KeyErrors
+        raise UnsupportedParameter(
+            f"{param}: the schema cannot be turned into a grammar ({type(exc).__name__}: {exc})",
+            param=param,
+        ) from None
+
+
+def json_object_grammar() -> str:
+    """Any JSON object (``response_format: {"type": "json_object"}`` without a schema)."""
+    return schema_grammar({"type": "object"}, "response_format")
