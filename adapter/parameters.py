@@ -80,7 +80,7 @@ class GenerationFields(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2, description="0: greedy.")
     top_p: float = Field(default=1.0, ge=0, le=1)
-    top_k: int = Field(default=0, ge=0, description="llama.cpp: 0 switches it off.")
+    top_k: int = Field(default=0, ge=0, lt=2**31, description="llama.cpp: 0 switches it off.")
     min_p: float = Field(default=0.0, ge=0, le=1, description="llama.cpp: 0 switches it off.")
     seed: int | None = Field(
         default=None, ge=-(2**63), lt=2**64, description="Same seed, same output (per build)."
@@ -116,7 +116,7 @@ class GenerationFields(BaseModel):
     @classmethod
     def _biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.strip().isdigit():
+            if not (key.strip().isascii() and key.strip().isdigit()):
                 raise ValueError(f"{key!r} is not a token id")
             if not -100 <= bias <= 100:
                 raise ValueError(f"the bias of token {key} is outside -100..100")

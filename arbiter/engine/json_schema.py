@@ -11,7 +11,7 @@ schema's own ``$defs``/``definitions`` (recursion included), ``anyOf``, ``oneOf`
 discriminated union (every alternative an object whose required property holds a distinct
 ``const``), ``allOf`` of plain object schemas; objects with ``properties``, ``required`` and
 ``additionalProperties``; arrays with ``items`` and ``minItems``/``maxItems``, or
-``prefixItems``; strings with ``minLength``/``maxLength`` or ``format`` date, time, date-time or
+``prefixItems`` (or ``items`` as a list, the older tuple form); strings with ``minLength``/``maxLength`` or ``format`` date, time, date-time or
 uuid; numbers, integers, booleans and null without bounds.
 """
 
@@ -237,16 +237,19 @@ class _Checker:
         if node.get("uniqueItems", False) is not False:
             raise self.refuse(path, "uniqueItems is not supported")
         low, high = _count(self, node, "minItems", path), _count(self, node, "maxItems", path)
-        if "prefixItems" in node:
-            prefix = node["prefixItems"]
-            if not isinstance(prefix, list) or not prefix or node.get("items", False) is not False:
+        # prefixItems, or the tuple form of items (a list, before draft 2020-12): exactly those.
+        tuple_key = "prefixItems" if "prefixItems" in node else "items"
+        if tuple_key == "prefixItems" or isinstance(node.get("items"), list):
+            prefix = node[tuple_key]
+            rest = node.get("items", False) if tuple_key == "prefixItems" else False
+            if not isinstance(prefix, list) or not prefix or rest is not False:
                 raise self.refuse(
-                    path, "prefixItems must be a non-empty list, items absent or false"
+                    path, f"{tuple_key} must be a non-empty list, items absent or false"
                 )
             if not (low or 0) <= len(prefix) <= (len(prefix) if high is None else high):
-                raise self.refuse(path, "minItems/maxItems must admit exactly the prefixItems")
+                raise self.refuse(path, f"minItems/maxItems must admit exactly the {tuple_key}")
             for i, item in enumerate(prefix):
-                self.node(item, f"{path}/prefixItems/{i}")
+                self.node(item, f"{path}/{tuple_key}/{i}")
         elif "items" in node:
             if low is not None and high is not None and low > high:
                 raise self.refuse(path, "minItems is above maxItems")

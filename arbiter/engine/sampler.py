@@ -167,7 +167,7 @@ def _stages(n_vocab: int, p: SamplingParams, seed: int, budget: int) -> list[Any
     if p.greedy:
         stages.append(llama_cpp.llama_sampler_init_greedy())
         return stages
-    if p.top_k > 0:
+    if 0 < p.top_k < n_vocab:
         stages.append(llama_cpp.llama_sampler_init_top_k(p.top_k))
     if p.top_p < 1.0:
         stages.append(llama_cpp.llama_sampler_init_top_p(p.top_p, 1))
