@@ -30,6 +30,8 @@ NO_EFFECT: dict[str, Callable[[Any], bool]] = {
     "service_tier": lambda v: True,
     "safety_identifier": lambda v: True,
     "prompt_cache_key": lambda v: True,
+    "prompt_cache_retention": lambda v: True,
+    "prompt_cache_options": lambda v: True,
     "cache_prompt": lambda v: True,  # llama.cpp server: reuse of its KV cache, a speed hint
     "store": lambda v: v is None or v is False,  # true asks OpenAI to keep it: nothing is kept
     "modalities": lambda v: v is None or v == ["text"],
@@ -46,6 +48,9 @@ REASONS = {
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
+    "reasoning_effort": "reasoning effort is not supported (the chat template decides)",
+    "verbosity": "verbosity is not supported (use max_tokens)",
+    "moderation": "moderation is not supported",
 }
 
 

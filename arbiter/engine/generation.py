@@ -201,8 +201,9 @@ def _finish(choice: _Choice, request: GenerationRequest, on_delta: OnDelta | Non
             choice.text += tail
             if choice.logprobs:
                 choice.logprobs[-1].token += tail
-    if on_delta is not None and len(choice.text) > choice.sent:
-        rest = choice.logprobs[choice.sent_logprobs :]
+    rest = choice.logprobs[choice.sent_logprobs :]
+    if on_delta is not None and (len(choice.text) > choice.sent or rest):
+        # A token whose text was sent before a stop string cut it may be all that is left.
         on_delta(
             choice.index,
             choice.text[choice.sent :],

@@ -1,11 +1,11 @@
 """JSON schemas as GBNF grammars, with the converter llama-cpp-python ships
 (``llama_cpp.llama_grammar.SchemaConverter``), for structured outputs.
 
-The schema is checked first (``json_schema``: only constraints the grammar enforces). Two defects
-of that converter are corrected here, both as in llama.cpp's own C++ converter: it did not escape
-backslashes in literals (a ``const``, ``enum`` value or property name with a quote, a backslash
-or a newline gave a broken grammar or invalid JSON), and its string characters admitted raw
-control characters, which JSON forbids inside strings.
+The schema is checked first (``json_schema``: only constraints the grammar enforces). Three defects
+of that converter are corrected here: it did not escape backslashes in literals (a ``const``,
+``enum`` value or property name with a quote, a backslash or a newline gave a broken grammar or
+invalid JSON), its string characters admitted raw control characters, which JSON forbids inside
+strings (both as llama.cpp's own C++ converter does it), and its dates admitted days no month has.
 """
 
 from __future__ import annotations
@@ -21,6 +21,14 @@ from arbiter.errors import UnsupportedParameter
 
 # A JSON string character: anything but a quote, a backslash or a control character, or an escape.
 _JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
+# A calendar date: the day in its month's range (29 February, which needs the leap-year rule, left
+# out) and no year 0000 (the converter's own rule admits 2023-02-31).
+_DATE = (
+    '([1-9] [0-9]{3} | "0" [1-9] [0-9]{2} | "00" [1-9] [0-9] | "000" [1-9]) "-" '
+    '(("0" [13578] | "1" [02]) "-" ("0" [1-9] | [12] [0-9] | "3" [01]) | '
+    '("0" [469] | "11") "-" ("0" [1-9] | [12] [0-9] | "30") | '
+    '"02" "-" ("0" [1-9] | "1" [0-9] | "2" [0-8]))'
+)
 _LITERAL_ESCAPES = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
 _LITERAL_ESCAPE = re.compile(r'[\r\n"\\]')
 
@@ -32,6 +40,8 @@ class _Converter(llama_grammar.SchemaConverter):
     def _add_primitive(self, name: str, rule: Any) -> str:
         if name == "char":
             rule = llama_grammar.BuiltinRule(_JSON_CHAR, [])
+        elif name == "date":
+            rule = llama_grammar.BuiltinRule(_DATE, [])
         return str(super()._add_primitive(name, rule))
 
 
