@@ -13,7 +13,7 @@ from typing import Any
 
 from bench.common import LABELED
 
-SUITES = ("engine", "models", "http", "worker", "faults", "all")
+SUITES = ("engine", "models", "http", "worker", "faults", "generation", "all")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -74,6 +74,15 @@ def register(sub: Any) -> None:
     )
     faults.add_argument("--lines", type=int, default=60)
     faults.add_argument("--questions", type=int, default=10)
+
+    generation = suites.add_parser(
+        "generation",
+        help="chat generation per token: sampler chain, logprobs, JSON grammar, n choices vs greedy",
+    )
+    generation.add_argument("--model", type=Path, default=None, help="else both bundled models")
+    generation.add_argument("--tokens", type=int, default=48, help="tokens per generation")
+    generation.add_argument("--repeats", type=int, default=3)
+    generation.add_argument("--json", action="store_true", help="print JSON")
 
     every = suites.add_parser("all", help="every benchmark, plus the peer comparisons")
     every.add_argument("--file", default=str(LABELED), help="labeled decisions for the comparisons")

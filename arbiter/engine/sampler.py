@@ -86,6 +86,11 @@ class Grammar:
     def clone(self) -> Any:
         return llama_cpp.llama_sampler_clone(self.handle)
 
+    def mask(self, candidates: Candidates) -> None:
+        """Set the logit of every candidate the grammar refuses (at its start) to -inf: what a
+        grammar costs per token when applied to the whole vocabulary (``arbiter bench``)."""
+        llama_cpp.llama_sampler_apply(self.handle, candidates.ref)
+
     def close(self) -> None:
         if self.handle:
             llama_cpp.llama_sampler_free(self.handle)
