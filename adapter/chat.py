@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -22,18 +23,16 @@ from adapter.bodies import json_body
 from adapter.completions import (
     ChatChoice,
     Delta,
-    DeltaQueue,
     Usage,
     chat_choices,
     fingerprint,
     logprobs_body,
+    stream_events,
     usage,
 )
 from adapter.openapi import JSON, SSE_EVENT, Operation
 from adapter.parameters import GenerationArgs, GenerationFields, generation_args, refuse_unsupported
 from adapter.state import REQUEST_LOG, STATE, RequestLog, State
-from adapter.streaming import OPEN_STREAM, OpenStream
-from arbiter import jsonio
 from arbiter.engine import Engine, Generation
 from arbiter.errors import ContextLengthExceeded, InvalidDecision
 from arbiter.lines import validation_error
@@ -160,12 +159,6 @@ def chunk(
     return body
 
 
-def sse(data: dict[str, Any] | str) -> bytes:
-    """One server-sent event (``data: ...`` and a blank line)."""
-    payload = data.encode() if isinstance(data, str) else jsonio.dumps(data)
-    return b"data: " + payload + b"\n\n"
-
-
 # -- the handler -----------------------------------------------------------------------------------
 
 
@@ -240,44 +233,49 @@ async def _stream(
 ) -> web.StreamResponse:
     """Server-sent events: a role chunk per choice, content chunks as text becomes final (with
     their tokens' log-probabilities when asked for), a finish chunk per choice."""
-    deltas = DeltaQueue()
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    events = _ChatEvents(completion_id(), model, fingerprint(engine.model_info), args.n)
+    events.include_usage = include_usage
+    return await stream_events(
+        request,
+        slot,
+        lambda on_delta: engine.generate(tokens, on_delta=on_delta, **args.kwargs()),
+        events,
+        lambda generation: _observe(state, request[REQUEST_LOG], generation),
     )
-    stream = OpenStream(response, lambda e: sse({"error": e.to_dict()}) + sse("[DONE]"))
-    request[OPEN_STREAM] = stream
-    await response.prepare(request)
-    cid, system = completion_id(), fingerprint(engine.model_info)
-    future = slot.start(lambda: engine.generate(tokens, on_delta=deltas.on_delta, **args.kwargs()))
-    future.add_done_callback(deltas.end)
 
-    async def write(delta: Delta) -> None:
+
+@dataclass
+class _ChatEvents:
+    cid: str
+    model: str
+    system: str
+    n: int
+    include_usage: bool = False
+
+    def opening(self) -> list[dict[str, Any]]:
+        role = {"role": "assistant", "content": ""}
+        return [
+            chunk(self.cid, self.model, role, index=i, system=self.system) for i in range(self.n)
+        ]
+
+    def delta(self, delta: Delta) -> dict[str, Any]:
         index, text, logprobs = delta
-        body = chunk(
-            cid,
-            model,
-            {"content": text},
+        content = {"content": text}
+        return chunk(
+            self.cid,
+            self.model,
+            content,
             index=index,
-            system=system,
+            system=self.system,
             logprobs=logprobs_body(logprobs),
         )
-        await response.write(sse(body))
 
-    try:
-        for index in range(args.n):
-            role = {"role": "assistant", "content": ""}
-            await response.write(sse(chunk(cid, model, role, index=index, system=system)))
-        await deltas.drain(write)
-        generation = future.result()  # a failure is written in-band by the middleware
-        _observe(state, request[REQUEST_LOG], generation)
-        for choice in generation.choices:
-            end = chunk(cid, model, {}, choice.finish_reason, index=choice.index, system=system)
-            await response.write(sse(end))
-        if include_usage:
+    def closing(self, generation: Generation) -> list[dict[str, Any]]:
+        bodies = [
+            chunk(self.cid, self.model, {}, c.finish_reason, index=c.index, system=self.system)
+            for c in generation.choices
+        ]
+        if self.include_usage:
             counts = usage(generation.prompt_tokens, generation.completion_tokens)
-            await response.write(sse(chunk(cid, model, {}, None, counts, choices=False)))
-        await response.write(sse("[DONE]"))
-        await stream.finish()
-    finally:
-        deltas.stop()  # a client that went away stops the generation at its next token
-    return response
+            bodies.append(chunk(self.cid, self.model, {}, None, counts, choices=False))
+        return bodies

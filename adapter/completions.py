@@ -1,5 +1,5 @@
 """What a generation looks like on the wire: OpenAI's choices, log-probabilities and stream chunks,
-for chat completions (and the server-sent events that carry them).
+and the server-sent events that carry them (chat and text completions alike).
 
 A choice's ``logprobs`` is ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}``
 as OpenAI writes it; the tokens of a choice join to its content exactly (``TokenLogprob``). When
@@ -12,11 +12,16 @@ import asyncio
 import hashlib
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
+from aiohttp import web
 from pydantic import BaseModel
 
+from adapter.admission import Slot
+from adapter.streaming import OPEN_STREAM, OpenStream
+from arbiter import jsonio
 from arbiter.engine import Generation, TokenLogprob
+from arbiter.engine.sampling import OnDelta
 from arbiter.schema import ModelInfo
 
 # (choice index, text, log-probabilities) as the engine hands them on; None: generation ended.
@@ -125,3 +130,57 @@ class DeltaQueue:
     async def drain(self, write: Callable[[Delta], Awaitable[None]]) -> None:
         while (item := await self._queue.get()) is not None:
             await write(item)
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event (``data: ...`` and a blank line)."""
+    payload = data.encode() if isinstance(data, str) else jsonio.dumps(data)
+    return b"data: " + payload + b"\n\n"
+
+
+class Events(Protocol):
+    """The chunks of one API's stream (chat.completion.chunk, text_completion)."""
+
+    def opening(self) -> list[dict[str, Any]]: ...
+
+    def delta(self, delta: Delta) -> dict[str, Any]: ...
+
+    def closing(self, generation: Generation) -> list[dict[str, Any]]: ...
+
+
+async def stream_events(
+    request: web.Request,
+    slot: Slot,
+    generate: Callable[[OnDelta], Generation],
+    events: Events,
+    observe: Callable[[Generation], None],
+) -> web.StreamResponse:
+    """Server-sent events: the opening chunks, a chunk per delta as text becomes final, the
+    closing chunks, ``[DONE]``. A failure after the first byte is written in-band (``streaming``);
+    a client that goes away stops the generation at its next token."""
+    deltas = DeltaQueue()
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    stream = OpenStream(response, lambda e: sse({"error": e.to_dict()}) + sse("[DONE]"))
+    request[OPEN_STREAM] = stream
+    await response.prepare(request)
+    future = slot.start(lambda: generate(deltas.on_delta))
+    future.add_done_callback(deltas.end)
+
+    async def write(delta: Delta) -> None:
+        await response.write(sse(events.delta(delta)))
+
+    try:
+        for body in events.opening():
+            await response.write(sse(body))
+        await deltas.drain(write)
+        generation = future.result()  # a failure is written in-band by the middleware
+        observe(generation)
+        for body in events.closing(generation):
+            await response.write(sse(body))
+        await response.write(sse("[DONE]"))
+        await stream.finish()
+    finally:
+        deltas.stop()
+    return response

@@ -51,6 +51,7 @@ REASONS = {
     "reasoning_effort": "reasoning effort is not supported (the chat template decides)",
     "verbosity": "verbosity is not supported (use max_tokens)",
     "moderation": "moderation is not supported",
+    "suffix": "insertion (suffix) is not supported",
 }
 
 

