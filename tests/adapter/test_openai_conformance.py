@@ -163,8 +163,8 @@ def test_completion_with_invalid_grammar(client: openai.OpenAI) -> None:
         [{"role": 123}],
         [{"role": "system", "content": 123}],
         [{"role": "system", "content": "test"}, {}],
-        # llama.cpp also refuses two assistant messages at the end; Arbiter renders them (the
-        # last one is the start of the reply), so that case is not ported.
+        # llama.cpp also refuses two assistant messages at the end (it continues a last
+        # assistant message); Arbiter renders them as turns, the reply after them: not ported.
     ],
 )
 def test_invalid_chat_completion_req(base_url: str, messages: Any) -> None:
