@@ -54,7 +54,8 @@ def schema_grammar(schema: Any, param: str) -> str:
     check_schema(schema, param)
     converter: Any = _CONVERTER(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     try:
-        resolved = converter.resolve_refs(normalized(copy.deepcopy(schema)), "schema")
+        root = _inline_root_ref(normalized(copy.deepcopy(schema)))
+        resolved = converter.resolve_refs(root, "schema")
         converter.visit(resolved, "")
         return str(converter.format_grammar())
     except RecursionError:
@@ -64,6 +65,24 @@ def schema_grammar(schema: Any, param: str) -> str:
             f"{param}: the schema cannot be turned into a grammar ({type(exc).__name__}: {exc})",
             param=param,
         ) from None
+
+
+def _inline_root_ref(schema: Any) -> Any:
+    """The root's own ``$ref`` replaced by its target, ``$defs`` kept: the converter resolves a
+    root ``$ref`` without looking inside the definitions, whose own references then fail (pydantic
+    writes a root ``$ref`` for a model that refers to itself)."""
+    for _ in range(8):
+        if not isinstance(schema, dict) or not isinstance(schema.get("$ref"), str):
+            return schema
+        target: Any = schema
+        for part in schema["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        inlined = dict(target)
+        for key in ("$defs", "definitions"):
+            if key in schema:
+                inlined.setdefault(key, schema[key])
+        schema = inlined
+    return schema
 
 
 def json_object_grammar() -> str:

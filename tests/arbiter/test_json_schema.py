@@ -3,13 +3,17 @@ name; generated schemas, generated output, and the output always parses and vali
 
 from __future__ import annotations
 
+import datetime
+import enum
 import json
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from openai.lib._pydantic import to_strict_json_schema as openai_strict
+from pydantic import BaseModel, Field
 
 from arbiter.engine import Engine, SamplingParams
 from arbiter.engine.grammar import json_object_grammar, schema_grammar
@@ -162,3 +166,40 @@ def test_any_json_object_without_a_schema(chat_engine: Engine) -> None:
     )
     assert out.finish_reason == "stop"
     assert isinstance(json.loads(out.text), dict)
+
+
+# -- what pydantic writes (the openai client's structured outputs send these) ---------------------
+
+
+class Kind(enum.StrEnum):
+    cat = "cat"
+    dog = "dog"
+
+
+class Cat(BaseModel):
+    kind: Literal["cat"]
+    lives: int
+
+
+class Dog(BaseModel):
+    kind: Literal["dog"]
+    good: bool
+
+
+class Owner(BaseModel):
+    name: str = Field(max_length=20)
+    born: datetime.date
+    nickname: str | None = None
+    pet: Cat | Dog = Field(discriminator="kind")
+    favourite: Kind
+    pair: tuple[int, str]
+    friends: list[Owner] = Field(default_factory=list, max_length=2)
+
+
+def test_the_schemas_pydantic_writes_are_accepted_and_compile(chat_engine: Engine) -> None:
+    schema = Owner.model_json_schema()
+    assert "$defs" in schema and "oneOf" in json.dumps(schema)  # refs, a discriminated union
+    grammar = schema_grammar(schema, "response_format.json_schema.schema")
+    chat_engine.check_grammar(grammar)
+    strict = openai_strict(Owner)
+    chat_engine.check_grammar(schema_grammar(strict, "response_format.json_schema.schema"))
