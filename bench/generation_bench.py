@@ -179,9 +179,16 @@ def render(results: list[dict[str, Any]]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     paths = [args.model] if args.model else [bundled_model().path, smollm2_path()]
-    results = [bench_model(p, args.tokens, args.repeats) for p in paths if p is not None]
+    results = []
+    for path in paths:
+        if path is None:
+            continue
+        results.append(bench_model(path, args.tokens, args.repeats))
+        if not args.json:  # a row as soon as its model is measured (a long run shows progress)
+            print(
+                render(results).splitlines()[-1] if len(results) > 1 else render(results),
+                flush=True,
+            )
     if args.json:
         print(json.dumps(results, indent=2))
-    else:
-        print(render(results))
     return 0

@@ -74,22 +74,19 @@ def generate(
         llama.copy_sequence(0, seq)
     candidates = Candidates(llama.n_vocab)
     sampling = request.sampling
-    choices = [
-        _Choice(
-            i,
-            Sampler(
+    choices: list[_Choice] = []
+    pieces: dict[int, bytes] = {}
+    try:
+        for i in range(request.n):
+            sampler = Sampler(
                 llama.n_vocab,
                 sampling,
                 sampling.choice_seed(i),
                 request.budget,
                 grammar,
                 candidates,
-            ),
-        )
-        for i in range(request.n)
-    ]
-    pieces: dict[int, bytes] = {}
-    try:
+            )
+            choices.append(_Choice(i, sampler))
         rows = [row] * request.n
         active = choices
         while active:
