@@ -21,6 +21,9 @@ from arbiter.engine.probabilities import logsumexp
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit, and llama.cpp server's useful range
 _RANDOM_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp would pick a random seed itself
+# Under this, logits / temperature can overflow float32 (llama.cpp's draw then picks a token at
+# random from NaNs): as good as greedy anyway, so greedy it is.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        return self.temperature < MIN_TEMPERATURE
 
     def choice_seed(self, index: int) -> int:
         """The 32-bit seed of choice ``index``: fixed by ``seed`` (each choice its own), else

@@ -37,6 +37,12 @@ def test_temperature_zero_is_the_argmax() -> None:
     assert draws(sampler(temperature=0), row((7, 5.0), (3, 4.9)), 5) == [7] * 5
 
 
+@pytest.mark.parametrize("tiny", [1e-7, 1e-38, 1e-300])
+def test_a_temperature_too_small_to_divide_by_is_greedy(tiny: float) -> None:
+    """Logits / 1e-38 overflow float32: llama.cpp's draw then picked the last token (63)."""
+    assert draws(sampler(temperature=tiny, seed=1), row((7, 50.0), (3, 49.0)), 3) == [7] * 3
+
+
 def test_top_k_one_is_the_argmax_at_any_temperature() -> None:
     assert set(draws(sampler(temperature=2, top_k=1, seed=1), row((9, 1.0)), 50)) == {9}
 
