@@ -3,9 +3,11 @@
 One chain per choice: ``logit_bias``, penalties, ``top_k``, ``top_p``, ``min_p``, temperature and a
 seeded draw, or greedy. A grammar is checked the way llama.cpp's own server does it: the chain
 picks a token from the unconstrained row, the grammar is asked about that one token, and only when
-it refuses is the grammar applied to the whole vocabulary and the token drawn again. The draw is
-then from the grammar-masked distribution all the same (a refused first draw is thrown away), and
-most tokens cost one grammar check instead of one per vocabulary entry (``arbiter bench grammar``).
+it refuses is the grammar applied to the whole vocabulary and the token drawn again. Greedy, that
+is the grammar's argmax; sampled without a truncating stage (``top_k``, ``top_p``, ``min_p``), it
+is a draw from the grammar-masked distribution exactly (a refused first draw is thrown away); with
+one, the first draw's truncation sees the unmasked row, as in llama.cpp's server. Most tokens cost
+one grammar check instead of one per vocabulary entry (``arbiter bench generation``).
 
 A grammar sampler must never accept a token it would refuse: llama.cpp throws through the C API
 (the process aborts). Every accepted token has passed the grammar's own check first.
