@@ -82,6 +82,7 @@ def register(sub: Any) -> None:
     generation.add_argument("--model", type=Path, default=None, help="else both bundled models")
     generation.add_argument("--tokens", type=int, default=48, help="tokens per generation")
     generation.add_argument("--repeats", type=int, default=3)
+    generation.add_argument("--threads", type=int, default=None, help="else ARBITER_N_THREADS")
     generation.add_argument("--json", action="store_true", help="print JSON")
 
     every = suites.add_parser("all", help="every benchmark, plus the peer comparisons")

@@ -58,8 +58,13 @@ def per_token_ms(generations: list[Generation]) -> float:
     return statistics.median(1000 * g.decode_s / max(1, g.completion_tokens) for g in generations)
 
 
-def bench_model(path: Path, tokens: int, repeats: int) -> dict[str, Any]:
-    engine = Engine(EngineSettings(model=path, n_ctx=2048))
+def bench_model(
+    path: Path, tokens: int, repeats: int, threads: int | None = None
+) -> dict[str, Any]:
+    settings = EngineSettings(model=path, n_ctx=2048)
+    if threads:
+        settings = settings.model_copy(update={"n_threads": threads})
+    engine = Engine(settings)
     try:
         segments = render_chat(
             [("user", "Describe a person as JSON: name, age, city and pets.")],
@@ -183,7 +188,7 @@ def main(args: argparse.Namespace) -> int:
     for path in paths:
         if path is None:
             continue
-        results.append(bench_model(path, args.tokens, args.repeats))
+        results.append(bench_model(path, args.tokens, args.repeats, args.threads))
         if not args.json:  # a row as soon as its model is measured (a long run shows progress)
             print(
                 render(results).splitlines()[-1] if len(results) > 1 else render(results),

@@ -152,6 +152,7 @@ def test_generated_output_parses_and_validates_against_its_schema(
     VALIDATOR(schema, format_checker=FORMATS).validate(json.loads(out.text))
 
 
+@pytest.mark.real_model
 def test_any_json_object_without_a_schema(chat_engine: Engine) -> None:
     prompt = render_chat(
         [("user", "Give a JSON object with a name and an age.")],
@@ -196,6 +197,7 @@ class Owner(BaseModel):
     friends: list[Owner] = Field(default_factory=list, max_length=2)
 
 
+@pytest.mark.real_model
 def test_the_schemas_pydantic_writes_are_accepted_and_compile(chat_engine: Engine) -> None:
     schema = Owner.model_json_schema()
     assert "$defs" in schema and "oneOf" in json.dumps(schema)  # refs, a discriminated union
