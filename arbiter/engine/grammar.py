@@ -17,6 +17,7 @@ from typing import Any
 from llama_cpp import llama_grammar
 
 from arbiter.engine.json_schema import check_schema, normalized
+from arbiter.engine.patterns import pattern_gbnf
 from arbiter.errors import UnsupportedParameter
 
 # A JSON string character: anything but a quote, a backslash or a control character, or an escape.
@@ -36,6 +37,11 @@ _LITERAL_ESCAPE = re.compile(r'[\r\n"\\]')
 class _Converter(llama_grammar.SchemaConverter):
     def _format_literal(self, literal: str) -> str:
         return '"' + _LITERAL_ESCAPE.sub(lambda m: _LITERAL_ESCAPES[m.group(0)], literal) + '"'
+
+    def _visit_pattern(self, pattern: str, name: str) -> str:
+        """A string of the pattern's whole matches, each character as JSON writes it."""
+        add_rule: Any = self._add_rule  # llama_grammar is untyped
+        return str(add_rule(name, '"\\"" ' + pattern_gbnf(pattern) + ' "\\"" space'))
 
     def _add_primitive(self, name: str, rule: Any) -> str:
         if name == "char":

@@ -11,8 +11,8 @@ schema's own ``$defs``/``definitions`` (recursion included), ``anyOf``, ``oneOf`
 discriminated union (every alternative an object whose required property holds a distinct
 ``const``), ``allOf`` of plain object schemas; objects with ``properties``, ``required`` and
 ``additionalProperties``; arrays with ``items`` and ``minItems``/``maxItems``, or
-``prefixItems`` (or ``items`` as a list, the older tuple form); strings with ``minLength``/``maxLength`` or ``format`` date, time, date-time or
-uuid; numbers, integers, booleans and null without bounds.
+``prefixItems`` (or ``items`` as a list, the older tuple form); strings with ``minLength``/``maxLength``, ``format`` date, time, date-time or
+uuid, or ``pattern`` (the subset ``patterns`` reads); numbers, integers, booleans and null without bounds.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from arbiter.engine.patterns import PatternError, pattern_gbnf
 from arbiter.errors import UnsupportedParameter
 
 ANNOTATIONS = frozenset(
@@ -46,7 +47,7 @@ ANY_VALUE: dict[str, Any] = {"type": sorted(TYPES - {"integer"})}  # what ``{}``
 
 _OBJECT = frozenset({"type", "properties", "required", "additionalProperties"})
 _ARRAY = frozenset({"type", "items", "prefixItems", "minItems", "maxItems", "uniqueItems"})
-_STRING = frozenset({"type", "minLength", "maxLength", "format"})
+_STRING = frozenset({"type", "minLength", "maxLength", "format", "pattern"})
 
 
 def check_schema(schema: Any, param: str) -> None:
@@ -259,6 +260,17 @@ class _Checker:
 
     def _string(self, node: Mapping[str, Any], path: str) -> None:
         low, high = _count(self, node, "minLength", path), _count(self, node, "maxLength", path)
+        if "pattern" in node:
+            if not isinstance(node["pattern"], str):
+                raise self.refuse(path, "pattern must be a string")
+            if {"format", "minLength", "maxLength"} & set(node):
+                raise self.refuse(
+                    path, "pattern with format, minLength or maxLength is not supported"
+                )
+            try:
+                pattern_gbnf(node["pattern"])
+            except PatternError as exc:
+                raise self.refuse(path, f"pattern {node['pattern']!r}: {exc}") from None
         if "format" in node:
             if not isinstance(node["format"], str) or node["format"] not in FORMATS:
                 raise self.refuse(

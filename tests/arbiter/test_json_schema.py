@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import enum
 import json
+import re
 from typing import Any, Literal
 
 import jsonschema
@@ -27,7 +28,14 @@ FORMATS = VALIDATOR.FORMAT_CHECKER
 REFUSED = [
     ({"type": "integer", "minimum": 0}, "'minimum'"),
     ({"type": "number", "multipleOf": 2}, "'multipleOf'"),
-    ({"type": "string", "pattern": "^a+$"}, "'pattern'"),
+    ({"type": "string", "pattern": "^(?=a)b$"}, "lookarounds"),
+    ({"type": "string", "pattern": r"(a)\1"}, "escape \\1"),
+    ({"type": "string", "pattern": "a*?"}, "lazy"),
+    ({"type": "string", "pattern": r"\bword"}, "escape \\b"),
+    ({"type": "string", "pattern": "a$b"}, "$ only at the end"),
+    ({"type": "string", "pattern": "a{5000}"}, "counts up to 1000"),
+    ({"type": "string", "pattern": "[z-a]"}, "bad range"),
+    ({"type": "string", "pattern": "^a$", "maxLength": 3}, "pattern with"),
     ({"type": "string", "format": "email"}, "format 'email'"),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
     ({"type": "array", "minItems": 2}, "need items"),
@@ -92,6 +100,19 @@ leaves = st.one_of(
     st.lists(scalars, min_size=1, max_size=4, unique_by=json.dumps).map(lambda v: {"enum": v}),
     scalars.map(lambda v: {"const": v}),
 )
+
+
+# Patterns: classes, escapes, dots and literals that JSON must escape, bounded quantifiers.
+pattern_atoms = st.one_of(
+    st.sampled_from(
+        [r"\d", r"\w", "[a-c]", "[^a-z]", ".", r'["\\]', r"\n", "(x|yz)", "[ -~]", r"\s"]
+    ),
+    st.sampled_from('ab "\\\n\t{}:é.').map(re.escape),
+)
+patterns = st.lists(
+    st.tuples(pattern_atoms, st.sampled_from(["", "?", "{1,3}", "{2}"])), min_size=1, max_size=4
+).map(lambda parts: "^" + "".join(a + q for a, q in parts) + "$")
+leaves = st.one_of(leaves, patterns.map(lambda p: {"type": "string", "pattern": p}))
 
 
 def _objects(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
