@@ -6,6 +6,8 @@ of that converter are corrected here: it did not escape backslashes in literals 
 ``enum`` value or property name with a quote, a backslash or a newline gave a broken grammar or
 invalid JSON), its string characters admitted raw control characters, which JSON forbids inside
 strings (both as llama.cpp's own C++ converter does it), and its dates admitted days no month has.
+Its patterns are replaced by ``patterns`` (it copied classes and dots into the grammar as they
+were); a root ``$ref`` is inlined first (it resolved one without looking inside the definitions).
 """
 
 from __future__ import annotations
