@@ -2,8 +2,8 @@
 
 The core (``arbiter/``, but for its CLI composition root) imports no entry point and no HTTP or AWS
 library; the entry points (``adapter``, ``worker``, ``evaluation``, ``infra``) import the core and
-not each other; nothing imports ``bench`` but the CLI; only the engine's ``llama``, ``backends``,
-``sampler`` and ``grammar`` modules touch llama.cpp.
+not each other; nothing imports ``bench`` but the CLI; only the engine's ``llama`` and ``backends``
+modules touch llama.cpp.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ BENCH = "bench"
 GPU_CHECK = "gpucheck"  # a development tool, like bench: nothing in the product imports it
 COMPOSITION_ROOT = Path("arbiter/cli.py")
 HTTP_AND_AWS = ("aiohttp", "aiobotocore", "botocore", "boto3", "moto", "prometheus_client")
+# The engine's llama modules (the docstring's two, and the sampler chain and grammar modules).
 LLAMA_MODULES = {
     Path("arbiter/engine/llama.py"),
     Path("arbiter/engine/backends.py"),
