@@ -1,0 +1,1 @@
+"""Fixtures of the emulator's tests: see ``tests.emulator.support``."""
