@@ -3,7 +3,6 @@ misbehaves on purpose), the front in front of it, moto for S3 and SNS, and boto3
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import Callable, Iterator
@@ -25,11 +24,15 @@ BUCKET = "arbiter-jobs"
 
 
 @contextlib.contextmanager
-def container(engine: Any, **settings: Any) -> Iterator[str]:
-    """The real adapter over ``engine`` (not closed after), on loopback."""
+def container(
+    engine: Any, ready_path: str = "/ping", factory: Callable[[], Any] | None = None, **settings: Any
+) -> Iterator[str]:
+    """The real adapter over ``engine`` (the session's real one is not closed after), on loopback."""
     server = ServerSettings(**{"max_in_flight": 1, "max_queue": 8, **settings})
-    app = create_container(server, lambda: engine, close_engine=not isinstance(engine, Engine))
-    with serve(app) as url:
+    app = create_container(
+        server, factory or (lambda: engine), close_engine=not isinstance(engine, Engine)
+    )
+    with serve(app, ready_path=ready_path) as url:
         yield url
 
 
@@ -43,19 +46,26 @@ def front(container_url: str, moto: str, clock: Callable[[], float] | None = Non
         yield url
 
 
+OPEN_CLIENTS: list[Any] = []  # closed after each test (tests/emulator/conftest.py)
+
+
 def runtime(url: str, **config: Any) -> Any:
     """boto3's sagemaker-runtime client, as an application builds it, pointed at ``url``."""
-    return boto3.client(
+    client = boto3.client(
         "sagemaker-runtime",
         endpoint_url=url,
         region_name="us-east-1",
         config=Config(**config) if config else None,
         **CREDS,
     )
+    OPEN_CLIENTS.append(client)
+    return client
 
 
 def aws(service: str, moto: str) -> Any:
-    return boto3.client(service, endpoint_url=moto, region_name="us-east-1", **CREDS)
+    client = boto3.client(service, endpoint_url=moto, region_name="us-east-1", **CREDS)
+    OPEN_CLIENTS.append(client)
+    return client
 
 
 def make_bucket(moto: str) -> Any:
@@ -98,12 +108,16 @@ def notifications(moto: str, url: str, want: int = 1, wait_s: int = 20) -> list[
 
 
 class StandIn:
-    """A container that answers what the test tells it: ``respond`` is an aiohttp handler."""
+    """A container that answers what the test tells it: ``respond`` is an aiohttp handler (run on
+    the server's own loop, in its thread); it records what it was sent and how many requests it
+    held at once."""
 
     def __init__(self) -> None:
         self.respond: Callable[[web.Request], Any] = self._ok
         self.seen: list[dict[str, Any]] = []
-        self.release = asyncio.Event()
+        self.execution: dict[str, Any] | None = None
+        self.active = 0
+        self.most_active = 0
 
     async def _ok(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -115,11 +129,22 @@ class StandIn:
         async def invocations(request: web.Request) -> web.StreamResponse:
             body = await request.read()
             self.seen.append({"headers": dict(request.headers), "body": body})
-            result: web.StreamResponse = await self.respond(request)
+            self.active += 1
+            self.most_active = max(self.most_active, self.active)
+            try:
+                result: web.StreamResponse = await self.respond(request)
+            finally:
+                self.active -= 1
             return result
 
-        app = web.Application()
+        async def execution(request: web.Request) -> web.Response:
+            if self.execution is None:
+                raise web.HTTPNotFound()
+            return web.json_response(self.execution)
+
+        app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_get("/ping", ping)
+        app.router.add_get("/execution-parameters", execution)
         app.router.add_post("/invocations", invocations)
         return app
 
