@@ -49,14 +49,14 @@ def _job(args: argparse.Namespace) -> Any:
 
 
 def cmd_transform(args: argparse.Namespace) -> int:
-    from infra.transform import TransformError
+    from infra.deploy import DeployError  # TransformError's base; the image rule raises it
 
     try:
         job = _job(args)
         if args.aws:
             return _aws(args, job)
         return asyncio.run(_local(args, job))
-    except TransformError as exc:
+    except DeployError as exc:
         print(f"arbiter transform: refused: {exc}", file=sys.stderr)
         return 2
 

@@ -25,7 +25,10 @@ BUCKET = "arbiter-jobs"
 
 @contextlib.contextmanager
 def container(
-    engine: Any, ready_path: str = "/ping", factory: Callable[[], Any] | None = None, **settings: Any
+    engine: Any,
+    ready_path: str = "/ping",
+    factory: Callable[[], Any] | None = None,
+    **settings: Any,
 ) -> Iterator[str]:
     """The real adapter over ``engine`` (the session's real one is not closed after), on loopback."""
     server = ServerSettings(**{"max_in_flight": 1, "max_queue": 8, **settings})
@@ -37,7 +40,9 @@ def container(
 
 
 @contextlib.contextmanager
-def front(container_url: str, moto: str, clock: Callable[[], float] | None = None, **kw: Any) -> Iterator[str]:
+def front(
+    container_url: str, moto: str, clock: Callable[[], float] | None = None, **kw: Any
+) -> Iterator[str]:
     settings = RuntimeSettings(
         container_url=container_url, aws_endpoint_url=moto, port=0, drain_s=0, **kw
     )

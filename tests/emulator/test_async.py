@@ -135,7 +135,9 @@ def test_a_request_older_than_its_ttl_expires_unprocessed(endpoint: str) -> None
             EndpointName="arbiter", ContentType="application/json", Body=b"{}"
         )
         second = client.invoke_endpoint_async(
-            EndpointName="arbiter", ContentType="application/json", Body=b"{}",
+            EndpointName="arbiter",
+            ContentType="application/json",
+            Body=b"{}",
             RequestTTLSeconds=60,
         )
         assert metric(api, "arbiter_runtime_async_backlog") == 2  # one in flight, one queued
@@ -191,7 +193,9 @@ def test_an_invocation_over_its_timeout_fails_without_an_object(endpoint: str) -
 
         fake.respond = slow
         got = runtime(api).invoke_endpoint_async(
-            EndpointName="arbiter", ContentType="application/json", Body=b"{}",
+            EndpointName="arbiter",
+            ContentType="application/json",
+            Body=b"{}",
             InvocationTimeoutSeconds=1,
         )
         [note] = notifications(endpoint, topics["error"])
@@ -205,8 +209,11 @@ def test_output_names_inline_bodies_and_missing_inputs(endpoint: str) -> None:
         topics = subscribe(endpoint)
         client = runtime(api)
         named = client.invoke_endpoint_async(
-            EndpointName="arbiter", ContentType="application/json", Body=b'{"x": 1}',
-            S3OutputPathExtension="team/a", Filename="answer.json",
+            EndpointName="arbiter",
+            ContentType="application/json",
+            Body=b'{"x": 1}',
+            S3OutputPathExtension="team/a",
+            Filename="answer.json",
         )
         assert named["OutputLocation"] == f"s3://{BUCKET}/async/output/team/a/answer.json"
         assert poll(s3, named["OutputLocation"]) == b'{"ok": true}'

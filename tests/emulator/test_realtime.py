@@ -185,8 +185,9 @@ def test_a_container_that_does_not_answer_in_time_is_a_model_error_with_status_0
         )
     assert exc.response["Error"]["Code"] == "ModelError"
     assert exc.response["OriginalStatusCode"] == 0
-    assert "timed out while waiting for a response from container primary" in (
-        exc.response["OriginalMessage"]
+    assert (
+        "timed out while waiting for a response from container primary"
+        in (exc.response["OriginalMessage"])
     )
 
 
@@ -194,7 +195,9 @@ def test_no_container_is_service_unavailable(endpoint: str) -> None:
     with front("http://127.0.0.1:9", endpoint) as api:
         client = runtime(api, retries={"max_attempts": 1, "mode": "standard"})
         exc = error_of(
-            lambda: client.invoke_endpoint(EndpointName="arbiter", ContentType="text/csv", Body=b"1")
+            lambda: client.invoke_endpoint(
+                EndpointName="arbiter", ContentType="text/csv", Body=b"1"
+            )
         )
     assert exc.response["Error"]["Code"] == "ServiceUnavailable"
     assert "arbiter serve" in exc.response["Error"]["Message"]
