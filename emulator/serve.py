@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 
 from emulator.settings import RuntimeSettings
 
@@ -26,7 +27,17 @@ async def _serve(settings: RuntimeSettings) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # the port is taken: one line, not a traceback
+        print(
+            f"arbiter runtime: cannot listen on {settings.host}:{settings.port} ({exc.strerror}); "
+            "set ARBITER_RUNTIME_PORT",
+            file=sys.stderr,
+            flush=True,
+        )
+        await runner.cleanup()
+        return 2
     port = runner.addresses[0][1]
     spec = app[FRONT].spec
     print(

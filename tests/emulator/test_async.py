@@ -232,3 +232,27 @@ def test_output_names_inline_bodies_and_missing_inputs(endpoint: str) -> None:
     assert "could not read the input" in note["failureReason"]
     assert len(fake.seen) == 1
     assert aws("sns", endpoint).list_topics()["Topics"]  # the template's topics exist
+
+
+def test_a_full_backlog_answers_service_unavailable(endpoint: str) -> None:
+    make_bucket(endpoint)
+    release = threading.Event()
+    with stand_in() as (fake, url), front(url, endpoint, max_backlog=2) as api:
+
+        async def held(request: web.Request) -> web.Response:
+            await asyncio.to_thread(release.wait, 60)
+            return web.json_response({"ok": True})
+
+        fake.respond = held
+        client = runtime(api, retries={"max_attempts": 1, "mode": "standard"})
+        for _ in range(2):
+            client.invoke_endpoint_async(
+                EndpointName="arbiter", ContentType="application/json", Body=b"{}"
+            )
+        with pytest.raises(ClientError) as caught:
+            client.invoke_endpoint_async(
+                EndpointName="arbiter", ContentType="application/json", Body=b"{}"
+            )
+        release.set()
+    assert caught.value.response["Error"]["Code"] == "ServiceUnavailable"
+    assert caught.value.response["ResponseMetadata"]["HTTPStatusCode"] == 503
