@@ -174,7 +174,7 @@ def test_a_container_that_does_not_answer_in_time_is_a_model_error_with_status_0
     with stand_in() as (fake, url), front(url, endpoint, invocation_timeout_s=0.3) as api:
 
         async def hang(request: web.Request) -> web.Response:
-            await asyncio.sleep(5)
+            await asyncio.sleep(2)  # past the front's 0.3 s; the server's shutdown waits for it
             return web.Response(text="late")
 
         fake.respond = hang
