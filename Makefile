@@ -33,7 +33,7 @@ run: $(STAMP)
 	$(BIN)/arbiter local --submit examples/job.jsonl
 
 test: $(STAMP)
-	$(BIN)/ruff check arbiter adapter worker evaluation bench tests infra gpucheck
+	$(BIN)/ruff check arbiter adapter worker evaluation bench tests infra gpucheck emulator
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
