@@ -150,14 +150,14 @@ def test_non_finite_logits_fail_only_that_decision(
 def test_an_unexpected_failure_in_one_decision_is_its_typed_error(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    prepare = engine._scoring._prepare
+    prepare = engine._scoring.preparer.prepare
 
-    def flaky(index: int, request: DecisionRequest) -> Any:
+    def flaky(index: int, request: DecisionRequest, state_bytes: int) -> Any:
         if request.id == "boom":
             raise RuntimeError("simulated fault")
-        return prepare(index, request)
+        return prepare(index, request, state_bytes)
 
-    monkeypatch.setattr(engine._scoring, "_prepare", flaky)
+    monkeypatch.setattr(engine._scoring.preparer, "prepare", flaky)
     outcomes = engine.score([decision("boom"), decision("ok")])
     assert isinstance(outcomes[0], EngineFailure) and outcomes[0].status == 500
     assert _ok(outcomes[1]).id == "ok"
