@@ -135,6 +135,7 @@ def create_app(
         settings.queue_timeout_s,
         settings.retry_after_s,
         on_reject=lambda reason: app_metrics.rejected.labels(reason).inc(),
+        on_cancel=lambda stage: app_metrics.cancelled.labels(stage).inc(),
     )
     app_metrics.in_flight.set_function(lambda: admission.in_flight)
     app_metrics.queued.set_function(lambda: admission.queued)

@@ -38,11 +38,13 @@ class FailingEngine(FakeEngine):
         super().__init__(**kw)
         self.fail_on = fail_on
 
-    def score(self, decisions: Sequence[DecisionRequest]) -> list[DecisionResult | ArbiterError]:
+    def score(
+        self, decisions: Sequence[DecisionRequest], budget: Any = None
+    ) -> list[DecisionResult | ArbiterError]:
         if self.calls + 1 == self.fail_on:
             self.calls += 1
             raise RuntimeError("simulated fault inside the engine")
-        return super().score(decisions)
+        return super().score(decisions, budget)
 
     def generate(self, tokens: Any, *, max_tokens: int, on_text: Any = None, **kw: Any) -> Any:
         if on_text is not None:

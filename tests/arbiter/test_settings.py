@@ -32,10 +32,31 @@ def test_sm_llama_cpp_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
     assert engine_settings.n_batch == 256
     assert str(engine_settings.model) == "/opt/ml/model/sub/model.gguf"
     assert server.max_in_flight == 2 and server.port == 9090
+    assert server.host == "0.0.0.0"  # an inference pipeline's container: reached from outside
     assert unknown == ["SM_LLAMA_CPP_CONT_BATCHING", "SM_LLAMA_CPP_FLASH_ATTN"]
     monkeypatch.setenv("SM_LLAMA_CPP_HF_REPO", "ggml-org/gemma-3-270m-GGUF")
     with pytest.raises(UnsupportedSetting, match="never downloads"):
         from_environment()
+
+
+def test_the_server_listens_on_loopback_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    from adapter.serve import listening
+
+    for name in list(os.environ):
+        if name.startswith(("SM_LLAMA_CPP_", "ARBITER_", "SAGEMAKER_")):
+            monkeypatch.delenv(name)
+    _, server, _ = from_environment()
+    assert server.host == "127.0.0.1"
+    where, guard = listening(server)
+    assert where.startswith("loopback") and guard.startswith("no API key")
+    monkeypatch.setenv("ARBITER_HOST", "0.0.0.0")
+    monkeypatch.setenv("ARBITER_API_KEY", "k")
+    monkeypatch.setenv("SAGEMAKER_BIND_TO_PORT", "9090")
+    _, server, _ = from_environment()
+    where, guard = listening(server)
+    assert where.startswith("every interface") and "ARBITER_API_KEY guards" in guard
+    monkeypatch.setenv("ARBITER_HOST", "127.0.0.1")  # named: SAGEMAKER_BIND_TO_PORT does not win
+    assert from_environment()[1].host == "127.0.0.1"
 
 
 def test_request_id_from_custom_attributes() -> None:

@@ -163,4 +163,4 @@ def test_a_server_side_failure_is_not_reported_as_the_callers_422() -> None:
         systemone.assemble(
             req, [uniform_result(a), TooManyOptions("long", param="options.1.description")], "m"
         )
-    assert info.value.detail[0]["loc"] == ["body", "questions", "b", "criteria"]
+    assert info.value.detail[0]["loc"] == ["body", "questions", "b", "criteria", "false"]
