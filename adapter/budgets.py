@@ -35,11 +35,9 @@ def screen(
     settings: ServerSettings, engine: Engine, decisions: Sequence[DecisionRequest]
 ) -> list[ArbiterError | None]:
     """Before admission: each decision's error when it cannot fit the context (None when it
-    may), after the request's floor is checked against its budget (that raises)."""
+    may); then the floor of those that may fit is checked against the request's budget (that
+    raises: the whole request is refused)."""
     cost = engine.cost
-    limits(settings, engine).check_tokens(
-        cost.request_floor(decisions), engine.seconds_per_token, floor=True
-    )
     errors: list[ArbiterError | None] = []
     for request in decisions:
         try:
@@ -47,6 +45,10 @@ def screen(
             errors.append(None)
         except ArbiterError as exc:
             errors.append(exc)
+    fitting = [d for d, error in zip(decisions, errors, strict=True) if error is None]
+    if fitting:
+        floor = cost.request_floor(fitting)
+        limits(settings, engine).check_tokens(floor, engine.seconds_per_token, floor=True)
     return errors
 
 

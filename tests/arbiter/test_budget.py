@@ -279,7 +279,7 @@ def test_a_saved_prefix_state_is_copied_once(engine: Engine) -> None:
         tracemalloc.start()
         try:
             state = llama.save(1 << 30)
-            size, peak = tracemalloc.get_traced_memory()
+            _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
         assert state is not None and len(state) > 100_000
