@@ -132,6 +132,15 @@ class LinesResponse:
                 raise
             body = b"".join(error_record(n, exc) for n, _ in batch)
             count, tokens = len(batch), 0
+        except Exception:
+            if not started:
+                raise
+            # A fault outside the chunk's scoring, once lines were sent: the chunk's lines say
+            # so one by one (they were read), then the error middleware ends the stream with
+            # the record for the next line (``adapter.streaming``).
+            failure = ArbiterError("internal error while this chunk was scored; see the log")
+            await self.response.write(b"".join(error_record(n, failure) for n, _ in batch))
+            raise
         self.info.decisions += count
         self.info.tokens += tokens
         if not self.response.prepared:
