@@ -198,3 +198,29 @@ async def test_a_disconnected_256_decision_request_frees_the_engine_within_one_d
     after = await _score(client, probe)
     assert after["option_logits"] == before["option_logits"]
     assert after["probabilities"] == before["probabilities"]
+
+
+async def test_a_chat_is_tokenized_in_its_slot_not_while_it_waits(make: Any) -> None:
+    """Chat prompts were rendered and tokenized before admission, outside ARBITER_MAX_IN_FLIGHT
+    and ARBITER_MAX_QUEUE: any number of them could hold the tokenizer at once."""
+    engine = FakeEngine(delay_s=60)
+    tokenized: list[int] = []
+    encode = engine.encode_segments
+
+    def spy(segments: Any) -> Any:
+        tokenized.append(app[STATE].admission.in_flight)
+        return encode(segments)
+
+    engine.encode_segments = spy  # type: ignore[method-assign]
+    client = await make(engine, max_queue=1)
+    app = client.server.app
+    busy = asyncio.ensure_future(_send(client, "decision"))
+    await asyncio.to_thread(engine.started.wait, 10)
+    chat = asyncio.ensure_future(_send(client, "chat"))
+    await _until(lambda: app[STATE].admission.queued == 1, 5, "the chat never queued")
+    assert tokenized == []  # waiting: nothing tokenized
+    busy.cancel()
+    engine.delay_s = 0
+    response = await chat
+    assert response.status == 200, await response.text()
+    assert tokenized == [1]  # in its own slot
