@@ -100,6 +100,14 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "tokenizing-stops-over-budget",
+        "arbiter/engine/scoring.py",
+        "                if budget is not None:  # over already: the rest is not tokenized\n"
+        "                    budget.check_tokens(tokens, None, floor=True)\n",
+        "",
+        (BUDGET + "test_tokenizing_stops_once_a_request_is_over_its_budget",),
+    ),
+    Mutation(
         "time-budget",
         "arbiter/engine/budget.py",
         "if estimate > remaining:",

@@ -121,8 +121,9 @@ class Scoring:
         """Outcomes in input order; a decision that cannot be scored gets its typed error.
 
         Every decision is tokenized first; with a ``budget``, the tokens the request would decode
-        are checked against it before any is decoded (a refusal raises for the whole call), and
-        it is checked again before each group (``Budget.interrupt``)."""
+        are checked against it before any is decoded, group by group as they are tokenized (a
+        refusal raises for the whole call, and stops tokenizing once the request is over), and
+        it is checked again before each group is decoded (``Budget.interrupt``)."""
         outcomes: list[Outcome | None] = [None] * len(decisions)
         members: dict[str, list[tuple[int, DecisionRequest]]] = {}
         for i, request in enumerate(decisions):
@@ -131,14 +132,17 @@ class Scoring:
             except Exception as exc:  # a state that is not JSON (only without the schema)
                 outcomes[i] = decision_error(exc)
         groups: list[Group] = []
+        tokens = 0
         for state, group_members in members.items():
             group, errors = self.preparer.group(state, group_members)
             for index, error in errors:
                 outcomes[index] = error
             if group is not None:
                 groups.append(group)
+                tokens += group.tokens
+                if budget is not None:  # over already: the rest is not tokenized
+                    budget.check_tokens(tokens, None, floor=True)
         if budget is not None:
-            tokens = sum(g.tokens for g in groups)
             budget.check_tokens(tokens, self.speed.seconds_per_token, floor=False)
         for group in groups:
             for index, outcome in self._score_group(group, settings, cache, budget):

@@ -308,3 +308,23 @@ def test_the_request_floor_counts_each_state_once(engine: Engine) -> None:
     assert alone >= math.ceil(4800 / cost.max_piece)
     assert both - alone < alone  # the second question does not pay for the state again
     assert both <= sum(len(engine.prompt_tokens(d)) for d in (a, b))
+
+
+def test_tokenizing_stops_once_a_request_is_over_its_budget(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose floor fits but whose tokens do not is refused after tokenizing about its
+    budget, not all of it (a 6 MB body of 256 long prompts took 8 s of tokenizing to refuse)."""
+    requests = _independent(40, words=300)
+    one = len(engine.prompt_tokens(requests[0]))
+    tokenized: list[int] = []
+    tokenize = engine.llama.tokenize
+
+    def spy(text: str, *, special: bool) -> np.ndarray:
+        tokenized.append(1)
+        return tokenize(text, special=special)
+
+    monkeypatch.setattr(engine.llama, "tokenize", spy)
+    with pytest.raises(TokenBudgetExceeded, match="at least"):
+        engine.score(requests, Budget(max_tokens=3 * one))
+    assert len(tokenized) <= 2 * 5  # four decisions (prompt and state prefix each), not forty
