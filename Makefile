@@ -54,6 +54,12 @@ fuzz: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/arbiter bench engine
 
+# Mixed and hostile traffic against arbiter serve on the real model (bench/soak.py): fails on any 5xx,
+# RSS growth past its bound after warm-up, fd growth, or an unhealthy server. CI runs 2 minutes.
+SOAK_MINUTES ?= 2
+soak: $(STAMP)
+	$(BIN)/arbiter bench soak --minutes $(SOAK_MINUTES)
+
 # Each named fix undone in turn, its tests run and expected to fail, the file restored
 # (scripts/mutate.py lists them; `make mutate MUTATIONS="name ..."` runs some). About 4 minutes.
 MUTATIONS ?=

@@ -82,6 +82,11 @@ class Metrics:
             ["stage"],
             registry=r,
         )
+        self.prefix_cache_bytes = Gauge(
+            "arbiter_prefix_cache_bytes",
+            "Bytes of saved state prefixes held (at most ARBITER_PREFIX_CACHE_MB).",
+            registry=r,
+        )
         self.model_ready = Gauge("arbiter_model_ready", "1 once the model is loaded.", registry=r)
         self.model = Info("arbiter_model", "The served model.", registry=r)
 

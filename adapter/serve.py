@@ -31,6 +31,11 @@ def serve(host: str | None = None, port: int | None = None, model: Path | None =
         engine_settings = engine_settings.model_copy(update={"model": model})
     configure(json=server_settings.log_json, level=server_settings.log_level)
     log = get_logger("arbiter.serve")
+    from arbiter import memory
+
+    allocator = memory.tune()  # before any thread: freed large buffers go back to the system
+    if allocator:
+        log.info("allocator_tuned", **{k.lower().strip("_"): v for k, v in allocator.items()})
     if unknown:
         log.warning(
             "sm_llama_cpp_ignored",

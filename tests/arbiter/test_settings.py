@@ -65,3 +65,19 @@ def test_request_id_from_custom_attributes() -> None:
     assert request_id("single-token") == "single-token"
     assert request_id("a=1,b=2", "inference-7") == "inference-7"
     assert len(request_id(None)) == 32
+
+
+def test_the_allocator_is_tuned_unless_the_environment_says() -> None:
+    """glibc's dynamic mmap threshold kept freed 5 MB buffers in the process (bench/soak.py)."""
+    import subprocess
+    import sys
+
+    from tests import ROOT
+
+    code = "from arbiter import memory; print(sorted(memory.tune()))"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert plain.stdout.strip() == "['MALLOC_ARENA_MAX', 'MALLOC_MMAP_THRESHOLD_']", plain.stderr
+    env["MALLOC_ARENA_MAX"] = "4"
+    told = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert told.stdout.strip() == "['MALLOC_MMAP_THRESHOLD_']", told.stderr
