@@ -98,7 +98,10 @@ def register(sub: Any) -> None:
         "--max-growth-mb-per-1k",
         type=float,
         default=8.0,
-        help="fail when RSS grows faster than this after warm-up",
+        help="fail when RSS grows more than this per 1,000 requests after warm-up",
+    )
+    soak.add_argument(
+        "--max-growth-mb", type=float, default=16.0, help="the growth always allowed (short runs)"
     )
     soak.add_argument("--max-fd-growth", type=int, default=8)
     soak.add_argument("--seed", type=int, default=0)

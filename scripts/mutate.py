@@ -153,6 +153,13 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "client-gone-mid-stream",
+        "adapter/middleware.py",
+        "    except ConnectionResetError:\n",
+        "    except ZeroDivisionError:\n",
+        (BUDGETS + "test_a_client_that_leaves_a_stream_is_499_not_an_internal_error",),
+    ),
+    Mutation(
         "jsonl-chunk-fault",
         "adapter/jsonlines.py",
         "    except Exception as exc:  # a fault outside any one decision",

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
 import llama_cpp
 import pytest
 
@@ -224,3 +225,27 @@ async def test_a_chat_is_tokenized_in_its_slot_not_while_it_waits(make: Any) -> 
     response = await chat
     assert response.status == 200, await response.text()
     assert tokenized == [1]  # in its own slot
+
+
+async def test_a_client_that_leaves_a_stream_is_499_not_an_internal_error() -> None:
+    """Without handler cancellation (or when the write comes first), the next write into the
+    stream fails: that is the client gone (499), not a fault of ours logged with a trace."""
+    from adapter.app import create_app
+    from tests.adapter.conftest import settings
+    from tests.live_server import serve
+
+    engine = FakeEngine(delay_s=0.2)
+    app = create_app(settings(), lambda: engine)
+    registry = app[STATE].metrics.registry
+    labels = {"route": "/v1/chat/completions", "kind": "messages"}
+
+    def count(status: str) -> float | None:
+        return registry.get_sample_value("arbiter_requests_total", {**labels, "status": status})
+
+    with serve(app) as base:  # an AppRunner without handler cancellation
+        async with aiohttp.ClientSession() as session:
+            body = {**CHAT, "stream": True}
+            async with session.post(f"{base}/v1/chat/completions", json=body) as response:
+                await response.content.readline()  # the role chunk; then the client goes
+        await _until(lambda: count("499") == 1, 10, "the departure was not counted as 499")
+    assert count("200") is None
