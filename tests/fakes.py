@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from arbiter.engine import Generation
+from arbiter.engine import Budget, Generation
+from arbiter.engine.cost import CostFloor
 from arbiter.errors import TooManyOptions
 from arbiter.models import ResolvedModel
 from arbiter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
@@ -113,6 +114,8 @@ class FakeEngine:
     bos_text = "<bos>"
     eos_text = "<eos>"
     n_ctx = 512
+    cost = CostFloor(n_ctx=512, max_piece=16)
+    seconds_per_token: float | None = None
     model_info = MODEL_INFO
     resolved = ResolvedModel(path=Path(__file__), source="env", expected_sha256=None)
 
@@ -125,12 +128,14 @@ class FakeEngine:
         self.scored = 0
         self.closed = False
 
-    def score(self, decisions: Sequence[DecisionRequest]) -> list[Outcome]:
+    def score(
+        self, decisions: Sequence[DecisionRequest], budget: Budget | None = None
+    ) -> list[Outcome]:
         self.calls += 1
         self.started.set()
         if self.fail:
             raise RuntimeError("fake engine failure")
-        time.sleep(self.delay_s)
+        _sleep(self.delay_s, budget)
         self.scored += len(decisions)
         return [
             TooManyOptions("too many", param="options")
@@ -148,12 +153,13 @@ class FakeEngine:
         *,
         max_tokens: int,
         on_text: Callable[[str], bool] | None = None,
+        budget: Budget | None = None,
         **_: Any,
     ) -> Generation:
         self.started.set()
         pieces = ["Hello", " there", "!"][:max_tokens]
         for piece in pieces:
-            time.sleep(self.delay_s)
+            _sleep(self.delay_s, budget)
             if on_text is not None and on_text(piece) is False:
                 return Generation("", len(tokens), 0, "cancelled", 0.0, 0.0)
         finish = "length" if max_tokens < 3 else "stop"
@@ -161,6 +167,15 @@ class FakeEngine:
 
     def close(self) -> None:
         self.closed = True
+
+
+def _sleep(seconds: float, budget: Budget | None) -> None:
+    """The fake's compute: ``seconds``, stopped like the engine's at 10 ms "decode" boundaries."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if budget is not None:
+            budget.interrupt()
+        time.sleep(min(left, 0.01))
 
 
 def make_fake_engine(settings: Any = None) -> FakeEngine:

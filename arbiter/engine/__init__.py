@@ -8,7 +8,9 @@ branches, gives the second factor of each code's probability (``labels``).
 serializes every use of the context. The work is done by one module per concern:
 
 - ``llama``: every ctypes call (load, tokenize, decode, KV cache, save and restore);
-- ``scoring``: grouping by state, the shared prefix, branches, readout, results;
+- ``preparing``: decisions checked (from bytes first, ``cost``) and tokenized, grouped by state;
+- ``scoring``: the shared prefix, branches, readout, results; ``budget``: what a request may
+  spend, and the cancellation of work nobody waits for;
 - ``labels``: the option labels (letters, codes) and the option logits read from them;
 - ``generation``: chat completions; ``prefix_cache``: saved prefixes; ``ordering``: option orders;
   ``calibration``: fitted temperatures; ``probabilities``: log-sum-exp and softmax;
@@ -26,7 +28,9 @@ import numpy as np
 
 from arbiter import prompt as prompts
 from arbiter.engine import ordering
+from arbiter.engine.budget import Budget
 from arbiter.engine.calibration import Calibration
+from arbiter.engine.cost import CostFloor
 from arbiter.engine.generation import Generation, generate
 from arbiter.engine.labels import Labels
 from arbiter.engine.llama import LLAMA_CPP_BUILD, LLAMA_CPP_PYTHON_VERSION, Llama
@@ -38,7 +42,7 @@ from arbiter.schema import DecisionRequest, ModelInfo
 from arbiter.scorer import Outcome
 from arbiter.settings import EngineSettings
 
-__all__ = ["Engine", "Generation", "Outcome", "open_engine"]
+__all__ = ["Budget", "Engine", "Generation", "Outcome", "open_engine"]
 
 
 class Engine:
@@ -48,7 +52,7 @@ class Engine:
         self.resolved = resolved or resolve_model(settings.model, settings.model_dir)
         self.sha256 = verify(self.resolved)
         # Serializes everything that uses the context; tokenizing runs outside it (chat prompts
-        # are tokenized before admission) under the model's own lock.
+        # are tokenized in their admission slot) under the model's own lock.
         self._lock = threading.Lock()
         self.llama = Llama(self.resolved.path, settings)
         try:
@@ -63,6 +67,12 @@ class Engine:
             self.labels = Labels.of(llama)
             self.prompts = Prompts(llama, layout, self.labels)
             llama.open_context(settings, context_sequences(settings, self.labels))
+            self.cost = CostFloor(
+                n_ctx=llama.n_ctx,
+                max_piece=llama.max_piece_bytes(),
+                head_tokens=len(self.prompts.head),
+                tail_tokens=len(self.prompts.tail),
+            )
             self.model_info = self._model_info(settings)
             self.calibration: Calibration | None = None
             if settings.calibration is not None:
@@ -73,7 +83,9 @@ class Engine:
             raise
         self.settings = settings  # read at each call: a replaced one takes effect at once
         self.cache = PrefixCache(int(settings.prefix_cache_mb * 1024 * 1024))
-        self._scoring = Scoring(llama, self.prompts, self.labels, self.sha256, self.model_info)
+        self._scoring = Scoring(
+            llama, self.prompts, self.labels, self.sha256, self.model_info, self.cost
+        )
 
     @property
     def n_ctx(self) -> int:
@@ -86,6 +98,11 @@ class Engine:
     @property
     def layout(self) -> prompts.PromptLayout:
         return self.prompts.layout
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        """Measured decode speed (a moving average; None before the first decision)."""
+        return self._scoring.speed.seconds_per_token
 
     def _model_info(self, settings: EngineSettings) -> ModelInfo:
         return ModelInfo(
@@ -155,20 +172,27 @@ class Engine:
 
     # -- decisions ---------------------------------------------------------------------------------
 
-    def score(self, decisions: Sequence[DecisionRequest]) -> list[Outcome]:
+    def score(
+        self, decisions: Sequence[DecisionRequest], budget: Budget | None = None
+    ) -> list[Outcome]:
         """Score decisions in any mix of states; outcomes come back in input order.
 
         A decision that cannot be scored (too many options, too long, text that is not Unicode,
         non-finite logits, any other failure of its own) becomes its typed error in its slot; the
         others are scored regardless. ``order_samples`` expands a decision into several option
         orders over its state (``ordering``); a calibration file sets the temperature of
-        decisions that set none (``calibration``). Raises only for the whole call: the engine is
-        closed.
+        decisions that set none (``calibration``). ``budget``: the request's limits, checked
+        before anything is decoded, and its cancellation, checked between decodes (``budget``).
+        Raises only for the whole call: the engine is closed, the request is over its budget,
+        or its client went away (``RequestCancelled``).
         """
         expanded, plan = ordering.expand(decisions)
         with self._lock:
             self.llama.check_open()
-            outcomes = self._scoring.score(expanded, self.settings, self.cache)
+            if budget is not None:
+                budget.start()
+            with self.llama.interruptible(budget.interrupt if budget is not None else None):
+                outcomes = self._scoring.score(expanded, self.settings, self.cache, budget)
         merged = ordering.merge(decisions, outcomes, plan, self.settings.temperature)
         if self.calibration is None:
             return merged
@@ -187,21 +211,26 @@ class Engine:
         stop: Sequence[str] = (),
         seed: int | None = None,
         on_text: Callable[[str], bool] | None = None,
+        budget: Budget | None = None,
     ) -> Generation:
         """Generate text after ``tokens``: greedy at temperature 0, else sampled with numpy.
 
         ``on_text`` receives the text as it becomes final (``generation``); returning False stops
-        the generation (finish reason ``cancelled``). Blocking; serialized with scoring.
+        the generation (finish reason ``cancelled``); a ``budget`` stops it between two decodes
+        (its client went away, or its time is spent). Blocking; serialized with scoring.
         """
         if len(tokens) >= self.n_ctx:
             raise ContextLengthExceeded(
                 f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} tokens",
                 param="messages",
             )
-        budget = min(max_tokens, self.n_ctx - len(tokens))
+        limit = min(max_tokens, self.n_ctx - len(tokens))
         rng = np.random.default_rng(None if seed is None else seed % 2**64)
-        with self.session() as llama:
-            return generate(llama, tokens, budget, temperature, top_p, list(stop), rng, on_text)
+        check = budget.interrupt if budget is not None else None
+        with self.session() as llama, llama.interruptible(check):
+            if budget is not None:
+                budget.start()
+            return generate(llama, tokens, limit, temperature, top_p, list(stop), rng, on_text)
 
 
 def open_engine(settings: EngineSettings | None = None, model: Path | None = None) -> Engine:
