@@ -136,12 +136,15 @@ def create_app(
         settings.queue_timeout_s,
         settings.retry_after_s,
         on_reject=lambda reason: app_metrics.rejected.labels(reason).inc(),
+        on_cancel=lambda stage: app_metrics.cancelled.labels(stage).inc(),
     )
     app_metrics.in_flight.set_function(lambda: admission.in_flight)
     app_metrics.queued.set_function(lambda: admission.queued)
+    holder = EngineHolder(engine_factory)
+    app_metrics.prefix_cache_bytes.set_function(lambda: _cache_bytes(holder))
     state = State(
         settings=settings,
-        holder=EngineHolder(engine_factory),
+        holder=holder,
         admission=admission,
         metrics=app_metrics,
         openapi=openapi.PATH.read_bytes(),
@@ -161,6 +164,11 @@ def create_app(
         else:
             app.router.add_route(route.method, route.path, route.handler)
     return app
+
+
+def _cache_bytes(holder: EngineHolder) -> float:
+    cache = getattr(holder.engine, "cache", None)  # a fake engine may have none
+    return float(cache.bytes_used) if cache is not None else 0.0
 
 
 async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:

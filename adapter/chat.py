@@ -2,8 +2,11 @@
 models, the handler, server-sent events.
 
 The prompt is the model's own chat template around the messages (``arbiter.prompt.render_chat``),
-rendered off the event loop; message text can never become a control token. A model without a chat
-template (the default Gemma base model) gets a plain ``role: content`` transcript.
+rendered and tokenized off the event loop inside the request's admission slot, after the messages'
+floor from bytes is checked against the context (``arbiter.engine.cost``): a 5 MB message is
+refused in microseconds and never holds the tokenizer. Message text can never become a control
+token. A model without a chat template (the default Gemma base model) gets a plain ``role:
+content`` transcript.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from adapter import budgets
 from adapter.admission import Slot
 from adapter.bodies import json_body
 from adapter.completions import (
@@ -183,6 +187,7 @@ async def respond(request: web.Request, state: State, raw: dict[str, Any]) -> we
     """A chat completion for a parsed body (this route's, or ``messages`` on /invocations)."""
     chat_request = await asyncio.to_thread(_request, raw)
     engine = state.holder.require()
+    engine.cost.check_chat([m.text for m in chat_request.messages])  # before it takes a slot
 
     def prompt() -> np.ndarray:
         # Off the event loop: a template over hundreds of messages takes a while to render.
@@ -191,19 +196,25 @@ async def respond(request: web.Request, state: State, raw: dict[str, Any]) -> we
         )
         return engine.encode_segments(segments)
 
-    tokens = await asyncio.to_thread(prompt)
-    if len(tokens) >= engine.n_ctx:
-        raise ContextLengthExceeded(
-            f"the messages are {len(tokens)} tokens; the context holds {engine.n_ctx} tokens",
-            param="messages",
-        )
     extra_stops = [] if engine.chat_template else PLAIN_STOPS
-    args = await asyncio.to_thread(
-        generation_args, chat_request, engine, state.settings.chat_max_tokens, extra_stops
-    )
     model = chat_request.model or engine.model_info.file
     info = request[REQUEST_LOG]
     async with state.admission.slot() as slot:
+        tokens = await slot.run(prompt)  # tokenized within the in-flight bound
+        if len(tokens) >= engine.n_ctx:
+            raise ContextLengthExceeded(
+                f"the messages are {len(tokens)} tokens; the context holds {engine.n_ctx} tokens",
+                param="messages",
+            )
+        # The grammar compiles against the vocabulary: within the in-flight bound too.
+        args = await slot.run(
+            generation_args,
+            chat_request,
+            engine,
+            state.settings.chat_max_tokens,
+            extra_stops,
+            budgets.limits(state.settings, engine, slot),
+        )
         if chat_request.stream:
             usage_ = bool(chat_request.stream_options and chat_request.stream_options.include_usage)
             return await _stream(request, state, slot, engine, tokens, args, model, usage_)

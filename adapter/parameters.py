@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from arbiter.engine import Engine, SamplingParams
+from arbiter.engine import Budget, Engine, SamplingParams
 from arbiter.engine.grammar import json_object_grammar, schema_grammar
 from arbiter.engine.sampling import MAX_TOP_LOGPROBS
 from arbiter.errors import InvalidDecision, UnsupportedParameter
@@ -161,6 +161,7 @@ class GenerationArgs:
     stop: tuple[str, ...]
     n: int
     top_logprobs: int | None
+    budget: Budget | None = None  # the request's limits and its cancellation (adapter.budgets)
 
     def kwargs(self) -> dict[str, Any]:
         return {
@@ -169,11 +170,16 @@ class GenerationArgs:
             "stop": self.stop,
             "n": self.n,
             "top_logprobs": self.top_logprobs,
+            "budget": self.budget,
         }
 
 
 def generation_args(
-    fields: GenerationFields, engine: Engine, default_max_tokens: int, extra_stops: list[str]
+    fields: GenerationFields,
+    engine: Engine,
+    default_max_tokens: int,
+    extra_stops: list[str],
+    budget: Budget | None = None,
 ) -> GenerationArgs:
     """The engine's arguments: the grammar written and compiled, token ids checked against the
     vocabulary. Blocking (a grammar compiles against the vocabulary): run it in a thread."""
@@ -203,6 +209,7 @@ def generation_args(
         stop=tuple(fields.stops + extra_stops),
         n=fields.n,
         top_logprobs=(fields.top_logprobs or 0) if fields.logprobs else None,
+        budget=budget,
     )
 
 

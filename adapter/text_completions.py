@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from adapter import budgets
 from adapter.bodies import json_body
 from adapter.completions import Delta, Usage, fingerprint, stream_events, usage
 from adapter.openapi import JSON, SSE_EVENT, Operation
@@ -120,18 +121,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     request[REQUEST_LOG].kind = "completion"
     body = await asyncio.to_thread(_request, raw)
     engine = state.holder.require()
-    tokens = await asyncio.to_thread(engine.encode_segments, [(body.prompt, True)])
-    if len(tokens) >= engine.n_ctx:
-        raise ContextLengthExceeded(
-            f"the prompt is {len(tokens)} tokens; the context holds {engine.n_ctx} tokens",
-            param="prompt",
-        )
+    engine.cost.check_chat([body.prompt], param="prompt")  # before it takes a slot
     # The legacy logprobs is a count; generation_args reads the chat API's pair.
     fields = body.model_copy(
         update={"logprobs": body.logprobs is not None, "top_logprobs": body.logprobs}
-    )
-    args = await asyncio.to_thread(
-        generation_args, fields, engine, state.settings.chat_max_tokens, []
     )
     events = _TextEvents(
         f"cmpl-{uuid.uuid4().hex}",
@@ -149,6 +142,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
         state.metrics.completion_tokens.inc(generation.completion_tokens)
 
     async with state.admission.slot() as slot:
+        # Tokenized, and the grammar compiled, within the in-flight bound (as chat is).
+        tokens = await slot.run(engine.encode_segments, [(body.prompt, True)])
+        if len(tokens) >= engine.n_ctx:
+            raise ContextLengthExceeded(
+                f"the prompt is {len(tokens)} tokens; the context holds {engine.n_ctx} tokens",
+                param="prompt",
+            )
+        args = await slot.run(
+            generation_args,
+            fields,
+            engine,
+            state.settings.chat_max_tokens,
+            [],
+            budgets.limits(state.settings, engine, slot),
+        )
         if body.stream:
             events.include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await stream_events(

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from arbiter.engine import Choice, Generation
+from arbiter.engine import Budget, Choice, Generation
+from arbiter.engine.cost import CostFloor
 from arbiter.engine.sampling import OnDelta
 from arbiter.errors import TooManyOptions
 from arbiter.models import ResolvedModel
@@ -115,6 +116,8 @@ class FakeEngine:
     eos_text = "<eos>"
     n_ctx = 512
     n_vocab = 1000
+    cost = CostFloor(n_ctx=512, max_piece=16)
+    seconds_per_token: float | None = None
     model_info = MODEL_INFO
     resolved = ResolvedModel(path=Path(__file__), source="env", expected_sha256=None)
 
@@ -127,12 +130,14 @@ class FakeEngine:
         self.scored = 0
         self.closed = False
 
-    def score(self, decisions: Sequence[DecisionRequest]) -> list[Outcome]:
+    def score(
+        self, decisions: Sequence[DecisionRequest], budget: Budget | None = None
+    ) -> list[Outcome]:
         self.calls += 1
         self.started.set()
         if self.fail:
             raise RuntimeError("fake engine failure")
-        time.sleep(self.delay_s)
+        _sleep(self.delay_s, budget)
         self.scored += len(decisions)
         return [
             TooManyOptions("too many", param="options")
@@ -151,12 +156,13 @@ class FakeEngine:
         max_tokens: int,
         n: int = 1,
         on_delta: OnDelta | None = None,
+        budget: Budget | None = None,
         **_: Any,
     ) -> Generation:
         self.started.set()
         pieces = ["Hello", " there", "!"][:max_tokens]
         for piece in pieces:
-            time.sleep(self.delay_s)
+            _sleep(self.delay_s, budget)
             for index in range(n):
                 if on_delta is not None and on_delta(index, piece, None) is False:
                     cancelled = tuple(Choice(i, "", "cancelled", 0) for i in range(n))
@@ -170,6 +176,15 @@ class FakeEngine:
 
     def close(self) -> None:
         self.closed = True
+
+
+def _sleep(seconds: float, budget: Budget | None) -> None:
+    """The fake's compute: ``seconds``, stopped like the engine's at 10 ms "decode" boundaries."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if budget is not None:
+            budget.interrupt()
+        time.sleep(min(left, 0.01))
 
 
 def make_fake_engine(settings: Any = None) -> FakeEngine:

@@ -8,7 +8,9 @@ branches, gives the second factor of each code's probability (``labels``).
 serializes every use of the context. The work is done by one module per concern:
 
 - ``llama``: every ctypes call (load, tokenize, decode, KV cache, save and restore);
-- ``scoring``: grouping by state, the shared prefix, branches, readout, results;
+- ``preparing``: decisions checked (from bytes first, ``cost``) and tokenized, grouped by state;
+- ``scoring``: the shared prefix, branches, readout, results; ``budget``: what a request may
+  spend, and the cancellation of work nobody waits for;
 - ``labels``: the option labels (letters, codes) and the option logits read from them;
 - ``generation``: chat and text completions, over ``sampler`` (llama.cpp's sampler chain and
   grammars), ``sampling`` (parameters, choices, log-probabilities) and ``grammar`` (JSON schemas
@@ -28,7 +30,9 @@ import numpy as np
 
 from arbiter import prompt as prompts
 from arbiter.engine import ordering
+from arbiter.engine.budget import Budget
 from arbiter.engine.calibration import Calibration
+from arbiter.engine.cost import CostFloor
 from arbiter.engine.generation import GenerationRequest, generate
 from arbiter.engine.labels import Labels
 from arbiter.engine.llama import LLAMA_CPP_BUILD, LLAMA_CPP_PYTHON_VERSION, Llama
@@ -43,6 +47,7 @@ from arbiter.scorer import Outcome
 from arbiter.settings import EngineSettings
 
 __all__ = [
+    "Budget",
     "Choice",
     "Engine",
     "Generation",
@@ -60,7 +65,7 @@ class Engine:
         self.resolved = resolved or resolve_model(settings.model, settings.model_dir)
         self.sha256 = verify(self.resolved)
         # Serializes everything that uses the context; tokenizing runs outside it (chat prompts
-        # are tokenized before admission) under the model's own lock.
+        # are tokenized in their admission slot) under the model's own lock.
         self._lock = threading.Lock()
         self.llama = Llama(self.resolved.path, settings)
         try:
@@ -75,6 +80,12 @@ class Engine:
             self.labels = Labels.of(llama)
             self.prompts = Prompts(llama, layout, self.labels)
             llama.open_context(settings, context_sequences(settings, self.labels))
+            self.cost = CostFloor(
+                n_ctx=llama.n_ctx,
+                max_piece=llama.max_piece_bytes(),
+                head_tokens=len(self.prompts.head),
+                tail_tokens=len(self.prompts.tail),
+            )
             self.model_info = self._model_info(settings)
             self.calibration: Calibration | None = None
             if settings.calibration is not None:
@@ -85,7 +96,9 @@ class Engine:
             raise
         self.settings = settings  # read at each call: a replaced one takes effect at once
         self.cache = PrefixCache(int(settings.prefix_cache_mb * 1024 * 1024))
-        self._scoring = Scoring(llama, self.prompts, self.labels, self.sha256, self.model_info)
+        self._scoring = Scoring(
+            llama, self.prompts, self.labels, self.sha256, self.model_info, self.cost
+        )
 
     @property
     def n_ctx(self) -> int:
@@ -98,6 +111,11 @@ class Engine:
     @property
     def layout(self) -> prompts.PromptLayout:
         return self.prompts.layout
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        """Measured decode speed (a moving average; None before the first decision)."""
+        return self._scoring.speed.seconds_per_token
 
     def _model_info(self, settings: EngineSettings) -> ModelInfo:
         return ModelInfo(
@@ -167,20 +185,27 @@ class Engine:
 
     # -- decisions ---------------------------------------------------------------------------------
 
-    def score(self, decisions: Sequence[DecisionRequest]) -> list[Outcome]:
+    def score(
+        self, decisions: Sequence[DecisionRequest], budget: Budget | None = None
+    ) -> list[Outcome]:
         """Score decisions in any mix of states; outcomes come back in input order.
 
         A decision that cannot be scored (too many options, too long, text that is not Unicode,
         non-finite logits, any other failure of its own) becomes its typed error in its slot; the
         others are scored regardless. ``order_samples`` expands a decision into several option
         orders over its state (``ordering``); a calibration file sets the temperature of
-        decisions that set none (``calibration``). Raises only for the whole call: the engine is
-        closed.
+        decisions that set none (``calibration``). ``budget``: the request's limits, checked
+        before anything is decoded, and its cancellation, checked between decodes (``budget``).
+        Raises only for the whole call: the engine is closed, the request is over its budget,
+        or its client went away (``RequestCancelled``).
         """
         expanded, plan = ordering.expand(decisions)
         with self._lock:
             self.llama.check_open()
-            outcomes = self._scoring.score(expanded, self.settings, self.cache)
+            if budget is not None:
+                budget.start()
+            with self.llama.interruptible(budget.interrupt if budget is not None else None):
+                outcomes = self._scoring.score(expanded, self.settings, self.cache, budget)
         merged = ordering.merge(decisions, outcomes, plan, self.settings.temperature)
         if self.calibration is None:
             return merged
@@ -199,13 +224,15 @@ class Engine:
         n: int = 1,
         top_logprobs: int | None = None,
         on_delta: OnDelta | None = None,
+        budget: Budget | None = None,
     ) -> Generation:
         """Generate ``n`` choices after ``tokens``, the prompt prefilled once for all of them,
         through llama.cpp's sampler chain (``sampling``; greedy at temperature 0).
 
         ``top_logprobs`` (0-20) adds each token's log-probability and that many alternatives.
         ``on_delta`` receives each choice's text as it becomes final (``generation``); returning
-        False stops the generation (finish reason ``cancelled``). Blocking; serialized with
+        False stops the generation (finish reason ``cancelled``); a ``budget`` stops it between
+        two decodes (its client went away, or its time is spent). Blocking; serialized with
         scoring.
         """
         sampling = sampling or SamplingParams()
@@ -221,15 +248,18 @@ class Engine:
                 param="messages",
             )
         # The choices share the prompt's cells; each needs its own for what it generates.
-        budget = min(max_tokens, (self.n_ctx - len(tokens)) // n)
-        if budget < 1:
+        limit = min(max_tokens, (self.n_ctx - len(tokens)) // n)
+        if limit < 1:
             raise ContextLengthExceeded(
                 f"the prompt is {len(tokens)} tokens; {n} choices need at least {n} more and the "
                 f"context holds {self.n_ctx} tokens",
                 param="n",
             )
-        request = GenerationRequest(budget, sampling, tuple(stop), n, top_logprobs)
-        with self.session() as llama:
+        request = GenerationRequest(limit, sampling, tuple(stop), n, top_logprobs)
+        check = budget.interrupt if budget is not None else None
+        with self.session() as llama, llama.interruptible(check):
+            if budget is not None:
+                budget.start()
             grammar = None
             if sampling.grammar is not None:
                 with llama.vocabulary() as vocab:
