@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from adapter import chat, execution, invocations, middleware, openapi, systemone
+from adapter import chat, execution, invocations, middleware, openapi, systemone, text_completions
 from adapter.admission import Admission
 from adapter.metrics import Metrics
 from adapter.state import CLOSE_ENGINE, STATE, EngineHolder, State
@@ -107,6 +107,7 @@ ROUTES = (
     Route("POST", "/invocations", invocations.invocations, invocations.OPERATION),
     Route("GET", "/execution-parameters", execution.execution_parameters, execution.OPERATION),
     Route("POST", "/v1/chat/completions", chat.chat_completions, chat.OPERATION),
+    Route("POST", "/v1/completions", text_completions.completions, text_completions.OPERATION),
     Route("GET", "/v1/models", models, MODELS),
     Route("GET", "/metrics", metrics, METRICS),
     Route("GET", "/openapi.json", api_document, API_DOCUMENT),

@@ -180,3 +180,15 @@ class UnsupportedSetting(ModelLoadError):
     """A configuration the container refuses at start-up (e.g. a model hub download)."""
 
     code = "unsupported_setting"
+
+
+class UnsupportedParameter(InvalidDecision):
+    """A request parameter Arbiter does not honour (``param`` names it): refused, never ignored."""
+
+    code = "unsupported_parameter"
+
+
+class InvalidGrammar(InvalidDecision):
+    """A ``grammar``, ``json_schema`` or ``response_format`` that cannot constrain generation."""
+
+    code = "invalid_grammar"

@@ -13,7 +13,7 @@ from typing import Any
 
 from bench.common import LABELED
 
-SUITES = ("engine", "models", "http", "worker", "faults", "abuse", "soak", "all")
+SUITES = ("engine", "models", "http", "worker", "faults", "generation", "abuse", "soak", "all")
 MODULES = {"soak": "bench.soak"}  # the others are bench/<suite>_bench.py
 
 
@@ -75,6 +75,16 @@ def register(sub: Any) -> None:
     )
     faults.add_argument("--lines", type=int, default=60)
     faults.add_argument("--questions", type=int, default=10)
+
+    generation = suites.add_parser(
+        "generation",
+        help="chat generation per token: sampler chain, logprobs, JSON grammar, n choices vs greedy",
+    )
+    generation.add_argument("--model", type=Path, default=None, help="else both bundled models")
+    generation.add_argument("--tokens", type=int, default=48, help="tokens per generation")
+    generation.add_argument("--repeats", type=int, default=3)
+    generation.add_argument("--threads", type=int, default=None, help="else ARBITER_N_THREADS")
+    generation.add_argument("--json", action="store_true", help="print JSON")
 
     abuse = suites.add_parser(
         "abuse", help="what 5 MB chats, 5 MB states and abandoned requests cost the others"

@@ -11,14 +11,15 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from arbiter.engine import Budget, Generation
+from arbiter.engine import Budget, Choice, Generation
 from arbiter.engine.cost import CostFloor
+from arbiter.engine.sampling import OnDelta
 from arbiter.errors import TooManyOptions
 from arbiter.models import ResolvedModel
 from arbiter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
@@ -114,6 +115,7 @@ class FakeEngine:
     bos_text = "<bos>"
     eos_text = "<eos>"
     n_ctx = 512
+    n_vocab = 1000
     cost = CostFloor(n_ctx=512, max_piece=16)
     seconds_per_token: float | None = None
     model_info = MODEL_INFO
@@ -152,7 +154,8 @@ class FakeEngine:
         tokens: np.ndarray,
         *,
         max_tokens: int,
-        on_text: Callable[[str], bool] | None = None,
+        n: int = 1,
+        on_delta: OnDelta | None = None,
         budget: Budget | None = None,
         **_: Any,
     ) -> Generation:
@@ -160,10 +163,16 @@ class FakeEngine:
         pieces = ["Hello", " there", "!"][:max_tokens]
         for piece in pieces:
             _sleep(self.delay_s, budget)
-            if on_text is not None and on_text(piece) is False:
-                return Generation("", len(tokens), 0, "cancelled", 0.0, 0.0)
+            for index in range(n):
+                if on_delta is not None and on_delta(index, piece, None) is False:
+                    cancelled = tuple(Choice(i, "", "cancelled", 0) for i in range(n))
+                    return Generation(len(tokens), cancelled, 0.0, 0.0)
         finish = "length" if max_tokens < 3 else "stop"
-        return Generation("".join(pieces), len(tokens), len(pieces), finish, 0.001, 0.002)
+        choices = tuple(Choice(i, "".join(pieces), finish, len(pieces)) for i in range(n))
+        return Generation(len(tokens), choices, 0.001, 0.002)
+
+    def check_grammar(self, text: str, param: str = "grammar") -> None:
+        """Every grammar compiles here (the real engine's check is tested on the real model)."""
 
     def close(self) -> None:
         self.closed = True

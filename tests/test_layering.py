@@ -24,7 +24,13 @@ BENCH = "bench"
 GPU_CHECK = "gpucheck"  # a development tool, like bench: nothing in the product imports it
 COMPOSITION_ROOT = Path("arbiter/cli.py")
 HTTP_AND_AWS = ("aiohttp", "aiobotocore", "botocore", "boto3", "moto", "prometheus_client")
-LLAMA_MODULES = {Path("arbiter/engine/llama.py"), Path("arbiter/engine/backends.py")}
+# The engine's llama modules (the docstring's two, and the sampler chain and grammar modules).
+LLAMA_MODULES = {
+    Path("arbiter/engine/llama.py"),
+    Path("arbiter/engine/backends.py"),
+    Path("arbiter/engine/sampler.py"),  # the sampler chain and grammars (llama_sampler_*)
+    Path("arbiter/engine/grammar.py"),  # llama-cpp-python's JSON-schema-to-GBNF converter
+}
 
 
 def modules(package: str) -> list[Path]:

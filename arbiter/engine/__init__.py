@@ -12,7 +12,9 @@ serializes every use of the context. The work is done by one module per concern:
 - ``scoring``: the shared prefix, branches, readout, results; ``budget``: what a request may
   spend, and the cancellation of work nobody waits for;
 - ``labels``: the option labels (letters, codes) and the option logits read from them;
-- ``generation``: chat completions; ``prefix_cache``: saved prefixes; ``ordering``: option orders;
+- ``generation``: chat and text completions, over ``sampler`` (llama.cpp's sampler chain and
+  grammars), ``sampling`` (parameters, choices, log-probabilities) and ``grammar`` (JSON schemas
+  as GBNF); ``prefix_cache``: saved prefixes; ``ordering``: option orders;
   ``calibration``: fitted temperatures; ``probabilities``: log-sum-exp and softmax;
 - ``backends``: llama.cpp's process-wide set-up.
 """
@@ -20,7 +22,7 @@ serializes every use of the context. The work is done by one module per concern:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,18 +33,29 @@ from arbiter.engine import ordering
 from arbiter.engine.budget import Budget
 from arbiter.engine.calibration import Calibration
 from arbiter.engine.cost import CostFloor
-from arbiter.engine.generation import Generation, generate
+from arbiter.engine.generation import GenerationRequest, generate
 from arbiter.engine.labels import Labels
 from arbiter.engine.llama import LLAMA_CPP_BUILD, LLAMA_CPP_PYTHON_VERSION, Llama
 from arbiter.engine.prefix_cache import PrefixCache
+from arbiter.engine.sampler import Grammar
+from arbiter.engine.sampling import Choice, Generation, OnDelta, SamplingParams, TokenLogprob
 from arbiter.engine.scoring import Prompts, Scoring, context_sequences
-from arbiter.errors import ContextLengthExceeded
+from arbiter.errors import ContextLengthExceeded, InvalidDecision
 from arbiter.models import ResolvedModel, resolve_model, verify
 from arbiter.schema import DecisionRequest, ModelInfo
 from arbiter.scorer import Outcome
 from arbiter.settings import EngineSettings
 
-__all__ = ["Budget", "Engine", "Generation", "Outcome", "open_engine"]
+__all__ = [
+    "Budget",
+    "Choice",
+    "Engine",
+    "Generation",
+    "Outcome",
+    "SamplingParams",
+    "TokenLogprob",
+    "open_engine",
+]
 
 
 class Engine:
@@ -199,38 +212,70 @@ class Engine:
         calibration = self.calibration
         return [calibration.apply(d, o) for d, o in zip(decisions, merged, strict=True)]
 
-    # -- text generation (chat completions) --------------------------------------------------------
+    # -- text generation (chat and text completions) ---------------------------------------------
 
     def generate(
         self,
         tokens: np.ndarray,
         *,
         max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
+        sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
-        seed: int | None = None,
-        on_text: Callable[[str], bool] | None = None,
+        n: int = 1,
+        top_logprobs: int | None = None,
+        on_delta: OnDelta | None = None,
         budget: Budget | None = None,
     ) -> Generation:
-        """Generate text after ``tokens``: greedy at temperature 0, else sampled with numpy.
+        """Generate ``n`` choices after ``tokens``, the prompt prefilled once for all of them,
+        through llama.cpp's sampler chain (``sampling``; greedy at temperature 0).
 
-        ``on_text`` receives the text as it becomes final (``generation``); returning False stops
-        the generation (finish reason ``cancelled``); a ``budget`` stops it between two decodes
-        (its client went away, or its time is spent). Blocking; serialized with scoring.
+        ``top_logprobs`` (0-20) adds each token's log-probability and that many alternatives.
+        ``on_delta`` receives each choice's text as it becomes final (``generation``); returning
+        False stops the generation (finish reason ``cancelled``); a ``budget`` stops it between
+        two decodes (its client went away, or its time is spent). Blocking; serialized with
+        scoring.
         """
+        sampling = sampling or SamplingParams()
+        if not 1 <= n <= self.llama.n_seq_max:
+            raise InvalidDecision(
+                f"n is {n}; this context generates 1 to {self.llama.n_seq_max} choices",
+                param="n",
+                code="invalid_field",
+            )
         if len(tokens) >= self.n_ctx:
             raise ContextLengthExceeded(
                 f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} tokens",
                 param="messages",
             )
-        limit = min(max_tokens, self.n_ctx - len(tokens))
-        rng = np.random.default_rng(None if seed is None else seed % 2**64)
+        # The choices share the prompt's cells; each needs its own for what it generates.
+        limit = min(max_tokens, (self.n_ctx - len(tokens)) // n)
+        if limit < 1:
+            raise ContextLengthExceeded(
+                f"the prompt is {len(tokens)} tokens; {n} choices need at least {n} more and the "
+                f"context holds {self.n_ctx} tokens",
+                param="n",
+            )
+        request = GenerationRequest(limit, sampling, tuple(stop), n, top_logprobs)
         check = budget.interrupt if budget is not None else None
         with self.session() as llama, llama.interruptible(check):
             if budget is not None:
                 budget.start()
-            return generate(llama, tokens, limit, temperature, top_p, list(stop), rng, on_text)
+            grammar = None
+            if sampling.grammar is not None:
+                with llama.vocabulary() as vocab:
+                    grammar = Grammar(vocab, sampling.grammar)
+            try:
+                return generate(llama, tokens, request, grammar, on_delta)
+            finally:
+                if grammar is not None:
+                    grammar.close()
+
+    def check_grammar(self, text: str, param: str = "grammar") -> None:
+        """Raise ``InvalidGrammar`` (naming ``param``) for a GBNF grammar llama.cpp cannot use;
+        callers check before a response starts, so a bad grammar is a 4xx, never a broken
+        stream. Needs the vocabulary only: runs outside the engine lock."""
+        with self.llama.vocabulary() as vocab:
+            Grammar(vocab, text, param=param).close()
 
 
 def open_engine(settings: EngineSettings | None = None, model: Path | None = None) -> Engine:

@@ -125,15 +125,17 @@ class CostFloor:
     def chat_floor(self, texts: Sequence[str]) -> int:
         return self.tokens_at_least(sum(_utf8_len(t) for t in texts))
 
-    def check_chat(self, texts: Sequence[str]) -> None:
-        """A chat prompt must leave room for one generated token (the engine's own rule)."""
+    def check_chat(self, texts: Sequence[str], param: str = "messages") -> None:
+        """A chat (or text completion) prompt must leave room for one generated token (the
+        engine's own rule); ``param`` names the field: ``messages`` or ``prompt``."""
         floor = self.chat_floor(texts)
         if floor >= self.n_ctx:
+            subject = "the messages are" if param == "messages" else f"the {param} is"
             raise ContextLengthExceeded(
-                f"the messages are at least {floor:,} tokens "
+                f"{subject} at least {floor:,} tokens "
                 f"({sum(_utf8_len(t) for t in texts):,} bytes); the context holds {self.n_ctx} "
-                "tokens. Nothing is truncated: shorten the messages or raise ARBITER_N_CTX",
-                param="messages",
+                f"tokens. Nothing is truncated: shorten the {param} or raise ARBITER_N_CTX",
+                param=param,
             )
 
 

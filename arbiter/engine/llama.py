@@ -303,6 +303,13 @@ class Llama:
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
+    @contextmanager
+    def vocabulary(self) -> Iterator[Any]:
+        """The vocabulary's handle, for the sampler module; :meth:`close` waits for the block."""
+        with self._tok_lock:
+            self.check_open()
+            yield self._vocab
+
     # -- the KV cache ------------------------------------------------------------------------------
 
     def clear(self) -> None:

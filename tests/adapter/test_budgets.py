@@ -36,6 +36,7 @@ ROUTES: dict[str, tuple[str, Any, dict[str, str] | None]] = {
     "systemone": ("/v1/systemone", SYSTEMONE, None),
     "chat": ("/v1/chat/completions", CHAT, None),
     "chat-sse": ("/v1/chat/completions", {**CHAT, "stream": True}, None),
+    "completion": ("/v1/completions", {"prompt": "hi"}, None),
     "jsonlines": ("/invocations", json.dumps(decision_body()) + "\n", JSONL),
 }
 
@@ -122,6 +123,9 @@ async def test_what_cannot_fit_is_refused_before_admission(make: Any) -> None:
     error = await error_of(await post("/v1/chat/completions", chat), 422)
     assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
     assert "at least" in error["message"]
+    error = await error_of(await post("/v1/completions", {"prompt": huge}), 422)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    assert "at least" in error["message"]
     single = {"decision": decision_body(state=huge)}
     error = await error_of(await post("/invocations", single), 422)
     assert error["code"] == "context_length_exceeded" and error["param"] == "decision.state"
@@ -201,9 +205,11 @@ async def test_a_disconnected_256_decision_request_frees_the_engine_within_one_d
     assert after["probabilities"] == before["probabilities"]
 
 
-async def test_a_chat_is_tokenized_in_its_slot_not_while_it_waits(make: Any) -> None:
+@pytest.mark.parametrize("route", ["chat", "completion"])
+async def test_a_prompt_is_tokenized_in_its_slot_not_while_it_waits(make: Any, route: str) -> None:
     """Chat prompts were rendered and tokenized before admission, outside ARBITER_MAX_IN_FLIGHT
-    and ARBITER_MAX_QUEUE: any number of them could hold the tokenizer at once."""
+    and ARBITER_MAX_QUEUE: any number of them could hold the tokenizer at once (text
+    completions, written beside that fix, did it too)."""
     engine = FakeEngine(delay_s=60)
     tokenized: list[int] = []
     encode = engine.encode_segments
@@ -217,8 +223,8 @@ async def test_a_chat_is_tokenized_in_its_slot_not_while_it_waits(make: Any) -> 
     app = client.server.app
     busy = asyncio.ensure_future(_send(client, "decision"))
     await asyncio.to_thread(engine.started.wait, 10)
-    chat = asyncio.ensure_future(_send(client, "chat"))
-    await _until(lambda: app[STATE].admission.queued == 1, 5, "the chat never queued")
+    chat = asyncio.ensure_future(_send(client, route))
+    await _until(lambda: app[STATE].admission.queued == 1, 5, "the prompt never queued")
     assert tokenized == []  # waiting: nothing tokenized
     busy.cancel()
     engine.delay_s = 0
@@ -248,4 +254,5 @@ async def test_a_client_that_leaves_a_stream_is_499_not_an_internal_error() -> N
             async with session.post(f"{base}/v1/chat/completions", json=body) as response:
                 await response.content.readline()  # the role chunk; then the client goes
         await _until(lambda: count("499") == 1, 10, "the departure was not counted as 499")
+        await _freed(app, limit_s=10)  # its generation ends before the server does
     assert count("200") is None

@@ -46,9 +46,9 @@ class FailingEngine(FakeEngine):
             raise RuntimeError("simulated fault inside the engine")
         return super().score(decisions, budget)
 
-    def generate(self, tokens: Any, *, max_tokens: int, on_text: Any = None, **kw: Any) -> Any:
-        if on_text is not None:
-            on_text("Hello")
+    def generate(self, tokens: Any, *, max_tokens: int, on_delta: Any = None, **kw: Any) -> Any:
+        if on_delta is not None:
+            on_delta(0, "Hello", None)
         raise RuntimeError("simulated fault while generating")
 
 
