@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from arbiter.engine import Budget, Engine
+from arbiter.engine import Budget, Engine, SamplingParams
 from arbiter.engine import llama as llama_module
 from arbiter.errors import (
     ContextLengthExceeded,
@@ -237,7 +237,7 @@ def test_a_cancelled_generation_stops_between_decodes(
     decodes.on_call = lambda calls: budget.cancel.set() if calls == 3 else None
     tokens = engine.tokenize_content("Tell me a long story about a lighthouse. " * 4)
     with pytest.raises(RequestCancelled):
-        engine.generate(tokens, max_tokens=64, temperature=0, budget=budget)
+        engine.generate(tokens, max_tokens=64, sampling=SamplingParams(temperature=0), budget=budget)
     assert decodes.calls == 3
     assert _kv_empty(engine)
 
