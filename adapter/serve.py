@@ -94,6 +94,8 @@ async def _serve(
     (log.warning if exposed else log.info)(
         "listening",
         url=f"http://{_url_host(server_settings.host)}:{server_settings.port}",
+        host=server_settings.host,
+        port=server_settings.port,
         reach=where,
         api_key=guard,
         max_in_flight=server_settings.max_in_flight,
