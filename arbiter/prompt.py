@@ -9,16 +9,16 @@ with the state, so every decision over one state shares a token prefix (see ``en
 
 from __future__ import annotations
 
-import functools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import date, datetime, time
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from arbiter import templates
 from arbiter.errors import InvalidDecision
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -45,6 +45,7 @@ class PromptLayout:
     answer_cue: str
     version: str
     chat: bool
+    closed_block: str | None = None  # a reasoning block Arbiter closed after the template's prompt
 
 
 @dataclass(frozen=True)
@@ -73,29 +74,29 @@ def plain_layout() -> PromptLayout:
     )
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+def prompt_time(pinned: date | None) -> datetime:
+    """When a decision prompt says it is: the pinned day (midnight), else now (at load)."""
+    return datetime.combine(pinned, time()) if pinned is not None else datetime.now()
 
 
-@functools.lru_cache(maxsize=4)
-def compile_template(template: str) -> jinja2.Template:
-    """A model's chat template, compiled in jinja's immutable sandbox (as llama.cpp's server
-    renders it): a template can read what it is given and nothing else."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise_exception
-    return env.from_string(template)
+def chat_layout(
+    template: str, bos_token: str, eos_token: str, now: datetime | None = None
+) -> PromptLayout:
+    """Render the model's own chat template once, around a sentinel that marks the content.
 
-
-def chat_layout(template: str, bos_token: str, eos_token: str) -> PromptLayout:
-    """Render the model's own chat template once, around a sentinel that marks the content."""
-    compiled = compile_template(template)
+    Rendered for a decision (``templates.decision_kwargs``: no thinking, no tools, the date of
+    ``now``), and closed after any reasoning block the generation prompt leaves open
+    (``templates.close_reasoning``), so the labels are read where the model writes its answer.
+    """
 
     def render(messages: list[dict[str, str]]) -> str:
-        return compiled.render(
-            messages=messages,
-            add_generation_prompt=True,
+        return templates.render(
+            template,
+            messages,
             bos_token=bos_token,
             eos_token=eos_token,
+            now=now,
+            kwargs=templates.decision_kwargs(template),
         )
 
     preamble = ""
@@ -110,13 +111,15 @@ def chat_layout(template: str, bos_token: str, eos_token: str) -> PromptLayout:
     if text.count(_SENTINEL) != 1:
         raise ValueError("chat template does not place the user content exactly once")
     head, tail = text.split(_SENTINEL)
+    closure = templates.close_reasoning(template, tail)
     return PromptLayout(
         head=head,
-        tail=tail,
+        tail=tail + closure.text,
         content_preamble=preamble,
         answer_cue="",
         version=f"{PROMPT_VERSION}/chat",
         chat=True,
+        closed_block=closure.block,
     )
 
 
@@ -168,7 +171,11 @@ _MARKS = re.compile("\u0000ARBITER_MESSAGE_([0-9]+)\u0000")
 
 
 def render_chat(
-    messages: Sequence[tuple[str, str]], template: str | None, bos_text: str, eos_text: str
+    messages: Sequence[tuple[str, str]],
+    template: str | None,
+    bos_text: str,
+    eos_text: str,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> Segments:
     """A chat prompt from (role, text) messages, as (text, is_template) segments ending where the
     assistant's reply starts: the model's chat template around the messages, or, for a model
@@ -179,17 +186,21 @@ def render_chat(
     numbered mark; one pass over the rendered text splits it at the marks and checks that every
     message is placed exactly once (linear in the text: a check per message over the whole text
     was quadratic in the number of messages).
+
+    ``template_kwargs`` are the caller's (``enable_thinking``, ``reasoning_effort``, ...): a chat
+    completion keeps the template's own defaults unless the request sets them.
     """
     roles = [("system" if role == "developer" else role) for role, _ in messages]
     if not template:
         lines = [f"{role}: {text.strip()}" for role, (_, text) in zip(roles, messages, strict=True)]
         return [("\n".join(lines) + "\nassistant:", False)]
     try:
-        text = compile_template(template).render(
-            messages=[{"role": r, "content": _MARK.format(i)} for i, r in enumerate(roles)],
-            add_generation_prompt=True,
+        text = templates.render(
+            template,
+            [{"role": r, "content": _MARK.format(i)} for i, r in enumerate(roles)],
             bos_token=bos_text,
             eos_token=eos_text,
+            kwargs=template_kwargs,
         )
     except jinja2.exceptions.TemplateError as exc:
         raise InvalidDecision(

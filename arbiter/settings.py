@@ -8,6 +8,7 @@ llama.cpp image's ``SM_LLAMA_CPP_*`` flags included; the worker pool's are in ``
 from __future__ import annotations
 
 import os
+from datetime import date
 from pathlib import Path
 
 from pydantic import AliasChoices, Field
@@ -66,6 +67,15 @@ class EngineSettings(BaseSettings):
         description=(
             "A calibration file from `arbiter calibrate`: temperatures per question type, used "
             "when a request sets none (results then say probability_status: calibrated)."
+        ),
+    )
+
+
+    prompt_date: date | None = Field(
+        default=None,
+        description=(
+            "The date a chat template's decision prompt reads (Llama 3.x, Mistral Small, gpt-oss "
+            "print today's date), YYYY-MM-DD; unset: the day the model is loaded."
         ),
     )
 

@@ -28,10 +28,10 @@ from arbiter import prompt as prompts
 from arbiter.engine import ordering
 from arbiter.engine.calibration import Calibration
 from arbiter.engine.generation import Generation, generate
-from arbiter.engine.labels import Labels
 from arbiter.engine.llama import LLAMA_CPP_BUILD, LLAMA_CPP_PYTHON_VERSION, Llama
 from arbiter.engine.prefix_cache import PrefixCache
-from arbiter.engine.scoring import Prompts, Scoring, context_sequences
+from arbiter.engine.prompting import open_prompts
+from arbiter.engine.scoring import Scoring, context_sequences
 from arbiter.errors import ContextLengthExceeded
 from arbiter.models import ResolvedModel, resolve_model, verify
 from arbiter.schema import DecisionRequest, ModelInfo
@@ -53,15 +53,11 @@ class Engine:
         self.llama = Llama(self.resolved.path, settings)
         try:
             llama = self.llama
-            self.bos_text = self.piece(llama.bos)  # "" for a model without one
-            self.eos_text = self.piece(llama.eos)
+            self.bos_text = llama.piece_text(llama.bos)  # "" for a model without one
+            self.eos_text = llama.piece_text(llama.eos)
             self.chat_template = llama.chat_template
-            if llama.chat_template:
-                layout = prompts.chat_layout(llama.chat_template, self.bos_text, self.eos_text)
-            else:
-                layout = prompts.plain_layout()
-            self.labels = Labels.of(llama)
-            self.prompts = Prompts(llama, layout, self.labels)
+            self.prompts = open_prompts(llama, settings)
+            self.labels = self.prompts.labels
             llama.open_context(settings, context_sequences(settings, self.labels))
             self.model_info = self._model_info(settings)
             self.calibration: Calibration | None = None
@@ -127,7 +123,7 @@ class Engine:
 
     def piece(self, token: int) -> str:
         """The text of one token ("" for an id outside the vocabulary, e.g. a missing BOS)."""
-        return self.llama.piece_bytes(token, special=True).decode("utf-8", "replace")
+        return self.llama.piece_text(token)
 
     def is_control(self, token: int) -> bool:
         return self.llama.is_control(token)

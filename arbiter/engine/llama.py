@@ -108,8 +108,11 @@ class Llama:
     engine serializes that; tokenizing and token texts take a lock of their own, so :meth:`close`
     never frees the vocabulary under a running call."""
 
-    def __init__(self, path: Path, settings: EngineSettings) -> None:
-        """Load the model and its vocabulary; :meth:`open_context` makes the context."""
+    def __init__(self, path: Path, settings: EngineSettings, *, vocab_only: bool = False) -> None:
+        """Load the model and its vocabulary; :meth:`open_context` makes the context.
+
+        ``vocab_only``: the vocabulary and metadata alone (no weights: the prompts of a model can
+        be rendered and counted, nothing decoded)."""
         self.path = path
         self._tok_lock = threading.Lock()
         self._closed = False
@@ -117,12 +120,12 @@ class Llama:
         self._ctx: Any = None
         backends.init()
         try:
-            self._load(settings)
+            self._load(settings, vocab_only)
         except BaseException:
             self.close()  # a model refused part-way through loading frees what it had
             raise
 
-    def _load(self, s: EngineSettings) -> None:
+    def _load(self, s: EngineSettings, vocab_only: bool) -> None:
         if s.n_gpu_layers != 0 and not llama_cpp.llama_supports_gpu_offload():
             raise ModelLoadError(
                 f"n_gpu_layers={s.n_gpu_layers} was asked for, but this llama.cpp build has no GPU "
@@ -130,6 +133,7 @@ class Llama:
             )
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = 10_000 if s.n_gpu_layers < 0 else s.n_gpu_layers
+        mparams.vocab_only = vocab_only
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}")
@@ -273,6 +277,11 @@ class Llama:
                 buf = ctypes.create_string_buffer(-n)
                 n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[: max(n, 0)]
+
+    def piece_text(self, token: int) -> str:
+        """The text of one token, control tokens included ("" for an id outside the vocabulary,
+        e.g. a missing BOS)."""
+        return self.piece_bytes(token, special=True).decode("utf-8", "replace")
 
     def is_control(self, token: int) -> bool:
         if not 0 <= token < self.n_vocab:

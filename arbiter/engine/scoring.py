@@ -29,6 +29,7 @@ from arbiter.engine.labels import CodeReadout, Labels, Paths
 from arbiter.engine.llama import Llama
 from arbiter.engine.prefix_cache import PrefixCache, prefix_key
 from arbiter.engine.probabilities import logsumexp, softmax
+from arbiter.engine.prompting import Prompts
 from arbiter.errors import (
     ArbiterError,
     ContextLengthExceeded,
@@ -90,46 +91,6 @@ def context_sequences(settings: EngineSettings, labels: Labels) -> int:
     return max(settings.max_branches + 1, 2 + labels.max_branches)
 
 
-class Prompts:
-    """Decisions as the model reads them: the rendered text and its tokens (``arbiter.prompt``
-    around the model's chat template). Caller text is tokenized without special-token parsing."""
-
-    def __init__(self, llama: Llama, layout: prompts.PromptLayout, labels: Labels) -> None:
-        self.llama = llama
-        self.layout = layout
-        self.labels = labels
-        head = llama.tokenize(self.layout.head, special=True)
-        if llama.add_bos and (len(head) == 0 or head[0] != llama.bos):
-            head = np.concatenate([np.array([llama.bos], dtype=np.int32), head])
-        self.head = head
-        self.tail = llama.tokenize(self.layout.tail, special=True)
-
-    def content(self, text: str) -> np.ndarray:
-        return self.llama.tokenize(text, special=False)
-
-    def render(self, request: DecisionRequest) -> prompts.RenderedContent:
-        return prompts.render_content(
-            self.layout,
-            prompts.state_text(request.state),
-            request.question,
-            [o.description for o in request.options],
-            self.labels.texts(len(request.options)),
-        )
-
-    def version(self, request: DecisionRequest) -> str:
-        return prompts.version(self.layout, self.labels.texts(len(request.options)))
-
-    def text(self, request: DecisionRequest) -> str:
-        return prompts.full_text(self.layout, self.render(request))
-
-    def tokens(self, rendered: prompts.RenderedContent) -> np.ndarray:
-        return np.concatenate([self.head, self.content(rendered.text), self.tail])
-
-    def state_prefix(self, state: str) -> np.ndarray:
-        """The tokens every prompt over ``state`` starts with, as the state tokenizes alone."""
-        return np.concatenate([self.head, self.content(prompts.state_prefix(self.layout, state))])
-
-
 def decision_error(exc: Exception) -> ArbiterError:
     """Any failure while scoring one decision, as that decision's typed error."""
     if isinstance(exc, ArbiterError):
@@ -138,12 +99,6 @@ def decision_error(exc: Exception) -> ArbiterError:
         return InvalidDecision(f"the text is not valid Unicode: {exc}", code="invalid_text")
     log.error("decision_failed", error=repr(exc), exc_info=exc)
     return EngineFailure(f"this decision could not be scored ({type(exc).__name__}); see the log")
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    mismatch = np.flatnonzero(a[:n] != b[:n])
-    return int(mismatch[0]) if len(mismatch) else n
 
 
 class Scoring:
@@ -250,12 +205,7 @@ class Scoring:
         try:
             with self.llama.kv_cleared():
                 started = time.perf_counter()
-                state_prefix = self.prompts.state_prefix(state)
-                # The prefix is a true token prefix of every prompt by construction: the longest
-                # run the state's own tokenization shares with each full prompt (BPE merges at the
-                # boundary fall outside it), and always at least one token short of the shortest.
-                shared = min(_common_prefix(state_prefix, p.tokens) for p in prepared)
-                shared = min(shared, min(len(p.tokens) for p in prepared) - 1)
+                shared = self.prompts.shared_prefix(state, [p.tokens for p in prepared])
                 group_tokenize_s = time.perf_counter() - started
                 run = self._forward(prepared[0].tokens[:shared], prepared, settings, cache)
         except Exception as exc:  # the group's shared prefill failed: each member says so
