@@ -7,6 +7,7 @@ vocabulary-only load (:func:`open_prompts`), so what it shows is what the model 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -16,6 +17,11 @@ from arbiter.engine.labels import Labels
 from arbiter.engine.llama import Llama
 from arbiter.schema import DecisionRequest
 from arbiter.settings import EngineSettings
+
+
+def prompt_sha256(text: str) -> str:
+    """The ``prompt.sha256`` a result reports: of the whole prefilled text, in UTF-8."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

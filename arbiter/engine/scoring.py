@@ -16,7 +16,6 @@ result does not depend on what else is in the request or on the cache (README, N
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from arbiter.engine.labels import CodeReadout, Labels, Paths
 from arbiter.engine.llama import Llama
 from arbiter.engine.prefix_cache import PrefixCache, prefix_key
 from arbiter.engine.probabilities import logsumexp, softmax
-from arbiter.engine.prompting import Prompts
+from arbiter.engine.prompting import Prompts, prompt_sha256
 from arbiter.errors import (
     ArbiterError,
     ContextLengthExceeded,
@@ -169,7 +168,7 @@ class Scoring:
             index=index,
             request=request,
             tokens=tokens,
-            prompt_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            prompt_sha256=prompt_sha256(text),
             prompt_version=self.prompts.version(request),
             tokenize_s=time.perf_counter() - started,
             paths=paths,
