@@ -23,13 +23,18 @@ from arbiter.errors import InvalidDecision
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 PROMPT_VERSION = "arbiter-letters-v1"
-# Questions with more options than letters label them with codes (``engine.labels``): the options
-# and the reply line change, the instruction and the state prefix do not (so they share a prefix).
-CODES_VERSION = "arbiter-codes-v1"
+# Questions with more options than letters label them with codes (``engine.labels``): the
+# instruction, the options and the reply line say codes; the state comes first in both prompts.
+# v2: the instruction no longer asks for "the option's letter" before the reply line asks for a code.
+CODES_VERSION = "arbiter-codes-v2"
 
 INSTRUCTION = (
     "You are a careful decision maker. Read the state, then answer the question by choosing "
     "exactly one of the lettered options. Reply with the option's letter only."
+)
+CODES_INSTRUCTION = (
+    "You are a careful decision maker. Read the state, then answer the question by choosing "
+    "exactly one of the options. Reply with the option's code only."
 )
 
 _SENTINEL = "\u0000ARBITER_CONTENT\u0000"
@@ -52,6 +57,7 @@ class PromptLayout:
 class RenderedContent:
     text: str
     state_end: int  # characters of ``text`` that belong to the shared state prefix
+    layout: PromptLayout  # the layout around it (the letters' or the codes')
 
 
 def state_text(state: Any) -> str:
@@ -61,11 +67,11 @@ def state_text(state: Any) -> str:
     return json.dumps(state, ensure_ascii=False, allow_nan=False)
 
 
-def plain_layout() -> PromptLayout:
+def plain_layout(instruction: str = INSTRUCTION) -> PromptLayout:
     return PromptLayout(
         head="",
         tail="",
-        content_preamble=INSTRUCTION + "\n\n",
+        content_preamble=instruction + "\n\n",
         # Measured on examples/labeled.jsonl with the default (base) model: this cue puts about
         # twice the probability mass on the letters that a bare "Answer:" does.
         answer_cue="\n\nAnswer: The answer is",
@@ -80,7 +86,11 @@ def prompt_time(pinned: date | None) -> datetime:
 
 
 def chat_layout(
-    template: str, bos_token: str, eos_token: str, now: datetime | None = None
+    template: str,
+    bos_token: str,
+    eos_token: str,
+    now: datetime | None = None,
+    instruction: str = INSTRUCTION,
 ) -> PromptLayout:
     """Render the model's own chat template once, around a sentinel that marks the content.
 
@@ -102,12 +112,12 @@ def chat_layout(
     preamble = ""
     try:
         text = render(
-            [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": _SENTINEL}]
+            [{"role": "system", "content": instruction}, {"role": "user", "content": _SENTINEL}]
         )
     except jinja2.exceptions.TemplateError:
         # Templates without a system role: the instruction goes into the user turn.
         text = render([{"role": "user", "content": _SENTINEL}])
-        preamble = INSTRUCTION + "\n\n"
+        preamble = instruction + "\n\n"
     if text.count(_SENTINEL) != 1:
         raise ValueError("chat template does not place the user content exactly once")
     head, tail = text.split(_SENTINEL)
@@ -148,7 +158,7 @@ def render_content(
     else:
         reply = f"Reply with one option's code only, from {labels[0]} to {labels[-1]}"
     body = f"Question: {question}\n\nOptions:\n{lines}\n\n{reply}.{layout.answer_cue}"
-    return RenderedContent(text=prefix + body, state_end=len(prefix))
+    return RenderedContent(text=prefix + body, state_end=len(prefix), layout=layout)
 
 
 def version(layout: PromptLayout, labels: list[str]) -> str:
@@ -158,8 +168,27 @@ def version(layout: PromptLayout, labels: list[str]) -> str:
     return layout.version.replace(PROMPT_VERSION, CODES_VERSION, 1)
 
 
-def full_text(layout: PromptLayout, content: RenderedContent) -> str:
-    return layout.head + content.text + layout.tail
+def full_text(content: RenderedContent) -> str:
+    return content.layout.head + content.text + content.layout.tail
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """A model's two prompts: for questions labelled with letters, and with codes."""
+
+    letters: PromptLayout
+    codes: PromptLayout
+
+
+def plain_layouts() -> Layouts:
+    return Layouts(plain_layout(INSTRUCTION), plain_layout(CODES_INSTRUCTION))
+
+
+def chat_layouts(template: str, bos_token: str, eos_token: str, now: datetime) -> Layouts:
+    return Layouts(
+        chat_layout(template, bos_token, eos_token, now, INSTRUCTION),
+        chat_layout(template, bos_token, eos_token, now, CODES_INSTRUCTION),
+    )
 
 
 # -- chat completions ------------------------------------------------------------------------------

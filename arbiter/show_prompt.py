@@ -65,11 +65,12 @@ def describe(view: Prompts, chunk: Sequence[tuple[int, str]]) -> list[dict[str, 
         }
         records.append(record)
         built.append((record, request, tokens))
-    groups: dict[str, list[tuple[dict[str, Any], Any]]] = {}
+    groups: dict[tuple[str, prompts.PromptLayout], list[tuple[dict[str, Any], Any]]] = {}
     for record, request, tokens in built:
-        groups.setdefault(prompts.state_text(request.state), []).append((record, tokens))
-    for state, members in groups.items():
-        shared = view.shared_prefix(state, [tokens for _, tokens in members])
+        key = (prompts.state_text(request.state), view.layout_for(len(request.options)))
+        groups.setdefault(key, []).append((record, tokens))
+    for (state, layout), members in groups.items():
+        shared = view.shared_prefix(state, layout, [tokens for _, tokens in members])
         for record, _ in members:
             record["prefix_tokens"] = shared
     return records

@@ -32,52 +32,72 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 class Prompts:
     """Decisions as the model reads them: the rendered text and its tokens (``arbiter.prompt``
-    around the model's chat template). Caller text is tokenized without special-token parsing."""
+    around the model's chat template). Caller text is tokenized without special-token parsing.
 
-    def __init__(self, llama: Llama, layout: prompts.PromptLayout, labels: Labels) -> None:
+    Questions labelled with letters and with codes have a layout each (their instructions
+    differ); the state comes first in both, right after the instruction."""
+
+    def __init__(self, llama: Llama, layouts: prompts.Layouts, labels: Labels) -> None:
         self.llama = llama
-        self.layout = layout
+        self.layouts = layouts
         self.labels = labels
-        head = llama.tokenize(self.layout.head, special=True)
-        if llama.add_bos and (len(head) == 0 or head[0] != llama.bos):
-            head = np.concatenate([np.array([llama.bos], dtype=np.int32), head])
-        self.head = head
-        self.tail = llama.tokenize(self.layout.tail, special=True)
+        self._around: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for layout in (layouts.letters, layouts.codes):
+            head = llama.tokenize(layout.head, special=True)
+            if llama.add_bos and (len(head) == 0 or head[0] != llama.bos):
+                head = np.concatenate([np.array([llama.bos], dtype=np.int32), head])
+            self._around[id(layout)] = (head, llama.tokenize(layout.tail, special=True))
+
+    @property
+    def layout(self) -> prompts.PromptLayout:
+        """The layout of lettered questions (what most decisions read)."""
+        return self.layouts.letters
+
+    def layout_for(self, n_options: int) -> prompts.PromptLayout:
+        codes = n_options > self.labels.max_letters
+        return self.layouts.codes if codes else self.layouts.letters
 
     def content(self, text: str) -> np.ndarray:
         return self.llama.tokenize(text, special=False)
 
     def render(self, request: DecisionRequest) -> prompts.RenderedContent:
+        n_options = len(request.options)
         return prompts.render_content(
-            self.layout,
+            self.layout_for(n_options),
             prompts.state_text(request.state),
             request.question,
             [o.description for o in request.options],
-            self.labels.texts(len(request.options)),
+            self.labels.texts(n_options),
         )
 
     def version(self, request: DecisionRequest) -> str:
-        return prompts.version(self.layout, self.labels.texts(len(request.options)))
+        n_options = len(request.options)
+        return prompts.version(self.layout_for(n_options), self.labels.texts(n_options))
 
     def text(self, request: DecisionRequest) -> str:
-        return prompts.full_text(self.layout, self.render(request))
+        return prompts.full_text(self.render(request))
 
     def tokens(self, rendered: prompts.RenderedContent) -> np.ndarray:
-        return np.concatenate([self.head, self.content(rendered.text), self.tail])
+        head, tail = self._around[id(rendered.layout)]
+        return np.concatenate([head, self.content(rendered.text), tail])
 
-    def state_prefix(self, state: str) -> np.ndarray:
-        """The tokens every prompt over ``state`` starts with, as the state tokenizes alone."""
-        return np.concatenate([self.head, self.content(prompts.state_prefix(self.layout, state))])
+    def state_prefix(self, state: str, layout: prompts.PromptLayout) -> np.ndarray:
+        """The tokens every prompt over ``state`` in ``layout`` starts with, as the state
+        tokenizes alone."""
+        head, _ = self._around[id(layout)]
+        return np.concatenate([head, self.content(prompts.state_prefix(layout, state))])
 
-    def shared_prefix(self, state: str, prompt_tokens: Sequence[np.ndarray]) -> int:
-        """How many tokens of the prompts over ``state`` are prefilled once for all of them.
+    def shared_prefix(
+        self, state: str, layout: prompts.PromptLayout, prompt_tokens: Sequence[np.ndarray]
+    ) -> int:
+        """How many tokens of the prompts over ``state`` in ``layout`` are prefilled once for all.
 
         The longest run that the state's own tokenization shares with every full prompt (BPE
         merges at the boundary fall outside it), so it is a true token prefix by construction, and
         always at least one token short of the shortest prompt (its last token is decoded in its
         branch, where its logits are read).
         """
-        state_prefix = self.state_prefix(state)
+        state_prefix = self.state_prefix(state, layout)
         shared = min(_common_prefix(state_prefix, tokens) for tokens in prompt_tokens)
         return min(shared, min(len(tokens) for tokens in prompt_tokens) - 1)
 
@@ -86,12 +106,12 @@ def open_prompts(llama: Llama, settings: EngineSettings) -> Prompts:
     """The decision prompts of a loaded model (its vocabulary is all this needs)."""
     template = llama.chat_template
     if template:
-        layout = prompts.chat_layout(
+        layouts = prompts.chat_layouts(
             template,
             llama.piece_text(llama.bos),
             llama.piece_text(llama.eos),
             prompts.prompt_time(settings.prompt_date),
         )
     else:
-        layout = prompts.plain_layout()
-    return Prompts(llama, layout, Labels.of(llama))
+        layouts = prompts.plain_layouts()
+    return Prompts(llama, layouts, Labels.of(llama))

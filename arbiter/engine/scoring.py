@@ -123,14 +123,19 @@ class Scoring:
     ) -> list[Outcome]:
         """Outcomes in input order; a decision that cannot be scored gets its typed error."""
         outcomes: list[Outcome | None] = [None] * len(decisions)
-        groups: dict[str, list[tuple[int, DecisionRequest]]] = {}
+        # One group per state and layout (questions with codes have an instruction of their own).
+        groups: dict[tuple[str, prompts.PromptLayout], list[tuple[int, DecisionRequest]]] = {}
         for i, request in enumerate(decisions):
             try:
-                groups.setdefault(prompts.state_text(request.state), []).append((i, request))
+                key = (
+                    prompts.state_text(request.state),
+                    self.prompts.layout_for(len(request.options)),
+                )
+                groups.setdefault(key, []).append((i, request))
             except Exception as exc:  # a state that is not JSON (only without the schema)
                 outcomes[i] = decision_error(exc)
-        for state, members in groups.items():
-            for index, outcome in self._score_state(state, members, settings, cache):
+        for (state, layout), members in groups.items():
+            for index, outcome in self._score_state(state, layout, members, settings, cache):
                 outcomes[index] = outcome
         return [o if o is not None else EngineFailure("not scored") for o in outcomes]
 
@@ -163,7 +168,7 @@ class Scoring:
                 "ARBITER_N_CTX",
                 param=name,
             )
-        text = prompts.full_text(self.prompts.layout, content)
+        text = prompts.full_text(content)
         return Prepared(
             index=index,
             request=request,
@@ -188,6 +193,7 @@ class Scoring:
     def _score_state(
         self,
         state: str,
+        layout: prompts.PromptLayout,
         members: list[tuple[int, DecisionRequest]],
         settings: EngineSettings,
         cache: PrefixCache,
@@ -204,7 +210,7 @@ class Scoring:
         try:
             with self.llama.kv_cleared():
                 started = time.perf_counter()
-                shared = self.prompts.shared_prefix(state, [p.tokens for p in prepared])
+                shared = self.prompts.shared_prefix(state, layout, [p.tokens for p in prepared])
                 group_tokenize_s = time.perf_counter() - started
                 run = self._forward(prepared[0].tokens[:shared], prepared, settings, cache)
         except Exception as exc:  # the group's shared prefill failed: each member says so
