@@ -20,23 +20,9 @@ import jinja2
 
 from arbiter import templates
 from arbiter.errors import InvalidDecision
+from arbiter.profiles import Profile, load_profile
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-PROMPT_VERSION = "arbiter-letters-v1"
-# Questions with more options than letters label them with codes (``engine.labels``): the
-# instruction, the options and the reply line say codes; the state comes first in both prompts.
-# v2: the instruction no longer asks for "the option's letter" before the reply line asks for a code.
-CODES_VERSION = "arbiter-codes-v2"
-
-INSTRUCTION = (
-    "You are a careful decision maker. Read the state, then answer the question by choosing "
-    "exactly one of the lettered options. Reply with the option's letter only."
-)
-CODES_INSTRUCTION = (
-    "You are a careful decision maker. Read the state, then answer the question by choosing "
-    "exactly one of the options. Reply with the option's code only."
-)
-
 _SENTINEL = "\u0000ARBITER_CONTENT\u0000"
 
 
@@ -50,6 +36,8 @@ class PromptLayout:
     answer_cue: str
     version: str
     chat: bool
+    profile: Profile
+    codes: bool  # for questions labelled with codes
     closed_block: str | None = None  # a reasoning block Arbiter closed after the template's prompt
 
 
@@ -67,16 +55,17 @@ def state_text(state: Any) -> str:
     return json.dumps(state, ensure_ascii=False, allow_nan=False)
 
 
-def plain_layout(instruction: str = INSTRUCTION) -> PromptLayout:
+def plain_layout(profile: Profile, codes: bool = False) -> PromptLayout:
+    """A prompt for a model without a chat template: the instruction, the content, the cue."""
     return PromptLayout(
         head="",
         tail="",
-        content_preamble=instruction + "\n\n",
-        # Measured on examples/labeled.jsonl with the default (base) model: this cue puts about
-        # twice the probability mass on the letters that a bare "Answer:" does.
-        answer_cue="\n\nAnswer: The answer is",
-        version=f"{PROMPT_VERSION}/plain",
+        content_preamble=profile.instruction(codes) + "\n\n",
+        answer_cue=profile.spec.answer_cue.plain,
+        version=f"{profile.codes_name if codes else profile.name}/plain",
         chat=False,
+        profile=profile,
+        codes=codes,
     )
 
 
@@ -90,14 +79,18 @@ def chat_layout(
     bos_token: str,
     eos_token: str,
     now: datetime | None = None,
-    instruction: str = INSTRUCTION,
+    profile: Profile | None = None,
+    codes: bool = False,
 ) -> PromptLayout:
     """Render the model's own chat template once, around a sentinel that marks the content.
 
     Rendered for a decision (``templates.decision_kwargs``: no thinking, no tools, the date of
     ``now``), and closed after any reasoning block the generation prompt leaves open
     (``templates.close_reasoning``), so the labels are read where the model writes its answer.
+    The profile's chat answer cue comes after that.
     """
+    profile = profile or load_profile(None)
+    instruction = profile.instruction(codes)
 
     def render(messages: list[dict[str, str]]) -> str:
         return templates.render(
@@ -124,18 +117,20 @@ def chat_layout(
     closure = templates.close_reasoning(template, tail)
     return PromptLayout(
         head=head,
-        tail=tail + closure.text,
+        tail=tail + closure.text + profile.spec.answer_cue.chat,
         content_preamble=preamble,
         answer_cue="",
-        version=f"{PROMPT_VERSION}/chat",
+        version=f"{profile.codes_name if codes else profile.name}/chat",
         chat=True,
+        profile=profile,
+        codes=codes,
         closed_block=closure.block,
     )
 
 
 def state_prefix(layout: PromptLayout, state: str) -> str:
     """The start of the content that every question about ``state`` shares."""
-    return f"{layout.content_preamble}State:\n{state}\n\n"
+    return layout.content_preamble + layout.profile.state(state)
 
 
 def render_content(
@@ -143,29 +138,23 @@ def render_content(
     state: str,
     question: str,
     descriptions: list[str],
-    labels: list[str] | None = None,
+    labels: list[str],
 ) -> RenderedContent:
     """The caller's part of the prompt: only labels and descriptions, never option ids.
 
-    ``labels`` default to the letters; codes (more options than letters) are named by their range
-    in the reply line instead of one by one, which would cost a token or three per option.
+    The profile places them (the built-in lists ``A. ...`` and names codes by their range in the
+    reply line instead of one by one, which would cost a token or three per option).
     """
     prefix = state_prefix(layout, state)
-    labels = labels if labels is not None else list(LETTERS[: len(descriptions)])
-    lines = "\n".join(f"{label}. {text}" for label, text in zip(labels, descriptions, strict=True))
-    if all(len(label) == 1 for label in labels):
-        reply = "Reply with " + ", ".join(labels[:-1]) + " or " + labels[-1]
-    else:
-        reply = f"Reply with one option's code only, from {labels[0]} to {labels[-1]}"
-    body = f"Question: {question}\n\nOptions:\n{lines}\n\n{reply}.{layout.answer_cue}"
-    return RenderedContent(text=prefix + body, state_end=len(prefix), layout=layout)
+    body = layout.profile.question(question, descriptions, labels, layout.codes)
+    return RenderedContent(
+        text=prefix + body + layout.answer_cue, state_end=len(prefix), layout=layout
+    )
 
 
-def version(layout: PromptLayout, labels: list[str]) -> str:
-    """The prompt version a result reports: the layout's, or its codes variant."""
-    if all(len(label) == 1 for label in labels):
-        return layout.version
-    return layout.version.replace(PROMPT_VERSION, CODES_VERSION, 1)
+def version(layout: PromptLayout) -> str:
+    """The prompt version a result reports: the profile's name (its codes name for codes)."""
+    return layout.version
 
 
 def full_text(content: RenderedContent) -> str:
@@ -180,14 +169,16 @@ class Layouts:
     codes: PromptLayout
 
 
-def plain_layouts() -> Layouts:
-    return Layouts(plain_layout(INSTRUCTION), plain_layout(CODES_INSTRUCTION))
+def plain_layouts(profile: Profile) -> Layouts:
+    return Layouts(plain_layout(profile, False), plain_layout(profile, True))
 
 
-def chat_layouts(template: str, bos_token: str, eos_token: str, now: datetime) -> Layouts:
+def chat_layouts(
+    template: str, bos_token: str, eos_token: str, now: datetime, profile: Profile
+) -> Layouts:
     return Layouts(
-        chat_layout(template, bos_token, eos_token, now, INSTRUCTION),
-        chat_layout(template, bos_token, eos_token, now, CODES_INSTRUCTION),
+        chat_layout(template, bos_token, eos_token, now, profile, False),
+        chat_layout(template, bos_token, eos_token, now, profile, True),
     )
 
 

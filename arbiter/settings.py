@@ -70,7 +70,14 @@ class EngineSettings(BaseSettings):
         ),
     )
 
-
+    prompt_profile: str | None = Field(
+        default=None,
+        description=(
+            "The prompt profile: a built-in name (arbiter-letters-v1, the default) or the path "
+            "of a profile file (TOML: instruction, layout, labels, answer cue; docs/models.md). "
+            "Unset: the one the model's manifest packs, else the default."
+        ),
+    )
     prompt_date: date | None = Field(
         default=None,
         description=(

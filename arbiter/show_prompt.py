@@ -101,13 +101,17 @@ def cmd_prompt(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from arbiter.engine.llama import Llama
     from arbiter.engine.prompting import open_prompts
     from arbiter.models import resolve_model
+    from arbiter.profiles import resolve_profile
     from arbiter.settings import EngineSettings
 
     settings = EngineSettings()
+    if args.profile is not None:
+        settings = settings.model_copy(update={"prompt_profile": args.profile})
     resolved = resolve_model(args.model or settings.model, settings.model_dir)
+    profile = resolve_profile(settings.prompt_profile, resolved)
     llama = Llama(resolved.path, settings, vocab_only=True)
     try:
-        view = open_prompts(llama, settings)
+        view = open_prompts(llama, settings, profile)
         lines = list(_lines(Path(args.file)))
         failures = 0
         for start in range(0, len(lines), args.chunk):
@@ -130,6 +134,9 @@ def register(sub: Subcommands) -> None:
     command.add_argument("--model", type=Path, default=None, help="a .gguf (else ARBITER_MODEL...)")
     command.add_argument(
         "--chunk", type=int, default=64, help="lines grouped by state together (as arbiter decide)"
+    )
+    command.add_argument(
+        "--profile", default=None, help="a prompt profile (file or built-in name; else ARBITER_...)"
     )
     command.add_argument("--json", action="store_true", help="one JSON record per decision")
     command.set_defaults(func=cmd_prompt)

@@ -34,6 +34,7 @@ from arbiter.engine.prompting import open_prompts
 from arbiter.engine.scoring import Scoring, context_sequences
 from arbiter.errors import ContextLengthExceeded
 from arbiter.models import ResolvedModel, resolve_model, verify
+from arbiter.profiles import resolve_profile
 from arbiter.schema import DecisionRequest, ModelInfo
 from arbiter.scorer import Outcome
 from arbiter.settings import EngineSettings
@@ -56,7 +57,8 @@ class Engine:
             self.bos_text = llama.piece_text(llama.bos)  # "" for a model without one
             self.eos_text = llama.piece_text(llama.eos)
             self.chat_template = llama.chat_template
-            self.prompts = open_prompts(llama, settings)
+            self.profile = resolve_profile(settings.prompt_profile, self.resolved)
+            self.prompts = open_prompts(llama, settings, self.profile)
             self.labels = self.prompts.labels
             llama.open_context(settings, context_sequences(settings, self.labels))
             self.model_info = self._model_info(settings)
@@ -97,6 +99,8 @@ class Engine:
             chat_template=self.prompts.layout.chat,
             llama_cpp_python_version=LLAMA_CPP_PYTHON_VERSION,
             llama_cpp_build=LLAMA_CPP_BUILD,
+            prompt_profile=self.profile.name,
+            prompt_profile_sha256=self.profile.sha256,
         )
 
     # -- lifetime ----------------------------------------------------------------------------------
@@ -200,9 +204,14 @@ class Engine:
             return generate(llama, tokens, budget, temperature, top_p, list(stop), rng, on_text)
 
 
-def open_engine(settings: EngineSettings | None = None, model: Path | None = None) -> Engine:
-    """Build an engine from the environment (or the given settings), optionally forcing a model."""
+def open_engine(
+    settings: EngineSettings | None = None, model: Path | None = None, profile: str | None = None
+) -> Engine:
+    """Build an engine from the environment (or the given settings), optionally forcing a model
+    or a prompt profile."""
     settings = settings or EngineSettings()
     if model is not None:
         settings = settings.model_copy(update={"model": model})
+    if profile is not None:
+        settings = settings.model_copy(update={"prompt_profile": profile})
     return Engine(settings)

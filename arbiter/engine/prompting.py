@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from arbiter import prompt as prompts
 from arbiter.engine.labels import Labels
 from arbiter.engine.llama import Llama
+from arbiter.profiles import Profile
 from arbiter.schema import DecisionRequest
 from arbiter.settings import EngineSettings
 
@@ -72,7 +74,7 @@ class Prompts:
 
     def version(self, request: DecisionRequest) -> str:
         n_options = len(request.options)
-        return prompts.version(self.layout_for(n_options), self.labels.texts(n_options))
+        return prompts.version(self.layout_for(n_options))
 
     def text(self, request: DecisionRequest) -> str:
         return prompts.full_text(self.render(request))
@@ -102,8 +104,19 @@ class Prompts:
         return min(shared, min(len(tokens) for tokens in prompt_tokens) - 1)
 
 
-def open_prompts(llama: Llama, settings: EngineSettings) -> Prompts:
-    """The decision prompts of a loaded model (its vocabulary is all this needs)."""
+def check_prompts(path: Path, settings: EngineSettings, profile: Profile) -> Prompts:
+    """The profile's prompts and labels built on the model's vocabulary alone (a start-up check
+    that loads no weights); raises what the engine's load would raise."""
+    llama = Llama(path, settings.model_copy(update={"n_gpu_layers": 0}), vocab_only=True)
+    try:
+        return open_prompts(llama, settings, profile)
+    finally:
+        llama.close()
+
+
+def open_prompts(llama: Llama, settings: EngineSettings, profile: Profile) -> Prompts:
+    """The decision prompts of a loaded model under ``profile`` (its vocabulary is all this
+    needs); ``LabelVocabularyError`` when the profile's labels do not tokenize soundly."""
     template = llama.chat_template
     if template:
         layouts = prompts.chat_layouts(
@@ -111,7 +124,8 @@ def open_prompts(llama: Llama, settings: EngineSettings) -> Prompts:
             llama.piece_text(llama.bos),
             llama.piece_text(llama.eos),
             prompts.prompt_time(settings.prompt_date),
+            profile,
         )
     else:
-        layouts = prompts.plain_layouts()
-    return Prompts(llama, layouts, Labels.of(llama))
+        layouts = prompts.plain_layouts(profile)
+    return Prompts(llama, layouts, Labels.of(llama, profile.spec.labels))

@@ -38,7 +38,6 @@ from arbiter.errors import (
 )
 from arbiter.logging import get_logger
 from arbiter.schema import (
-    MAX_OPTIONS,
     DecisionRequest,
     DecisionResult,
     ModelInfo,
@@ -142,13 +141,8 @@ class Scoring:
     def _prepare(self, index: int, request: DecisionRequest) -> Prepared:
         started = time.perf_counter()
         n_options = len(request.options)
-        if n_options > MAX_OPTIONS:
-            raise TooManyOptions(
-                f"{n_options} options given; at most {MAX_OPTIONS} options are supported "
-                f"(up to {self.labels.max_letters} are labelled with letters, more with "
-                f"{self.labels.codes.name} codes)",
-                param="options",
-            )
+        if n_options > self.labels.max_options:
+            raise TooManyOptions(self.labels.too_many(n_options), param="options")
         paths = self.labels.paths(n_options)
         content = self.prompts.render(request)
         tokens = self.prompts.tokens(content)
@@ -382,6 +376,8 @@ class Scoring:
                 version=p.prompt_version,
                 input_tokens=len(p.tokens),
                 prefix_tokens=run.prefix_tokens,
+                profile=self.model_info.prompt_profile,
+                profile_sha256=self.model_info.prompt_profile_sha256,
             ),
             timing=Timing(
                 tokenize_s=tokenize_s,

@@ -17,12 +17,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from arbiter import prompt as prompts
 from arbiter.engine import Engine
 from arbiter.engine.calibration import Calibration
 from arbiter.engine.labels import Labels, _prefix_free, choose_codes
 from arbiter.engine.probabilities import logsumexp, softmax
 from arbiter.errors import ContextLengthExceeded, LabelVocabularyError, TooManyOptions
+from arbiter.profiles import load_profile
 from arbiter.schema import MAX_OPTIONS, DecisionRequest, DecisionResult
 from arbiter.settings import EngineSettings
 from tests.aws import aws_clients, read_object
@@ -125,12 +125,14 @@ def test_up_to_26_options_the_prompt_is_unchanged_above_it_options_get_codes(
     assert "team-0" not in text and "team-26" not in text  # ids never reach the model
     # Issue 22: the codes prompt no longer asks for "the option's letter" before the reply line
     # asks for a code; its instruction says codes, and the state comes right after it, unchanged.
-    assert prompts.CODES_INSTRUCTION in text and "letter" not in text
+    builtin = load_profile(None).spec
+    assert builtin.codes_instruction is not None
+    assert builtin.codes_instruction in text and "letter" not in text
     letters_text = engine.render_text(letters)
-    assert prompts.INSTRUCTION in letters_text
+    assert builtin.instruction in letters_text
     after = [
         t.split("Question:")[0].split(i, 1)[1]
-        for t, i in ((text, prompts.CODES_INSTRUCTION), (letters_text, prompts.INSTRUCTION))
+        for t, i in ((text, builtin.codes_instruction), (letters_text, builtin.instruction))
     ]
     assert after[0] == after[1]
 
@@ -615,4 +617,4 @@ def test_prefix_free_check() -> None:
     assert _prefix_free([(1, 2), (1, 3), (2,)])
     assert not _prefix_free([(1, 2), (1,)])
     assert not _prefix_free([(1, 2), (1, 2)])
-    assert prompts.CODES_VERSION == "arbiter-codes-v2"
+    assert load_profile(None).codes_name == "arbiter-codes-v2"

@@ -70,7 +70,9 @@ def test_the_text_form_names_the_counts_and_prints_the_prompt(
     path = tmp_path / "one.jsonl"
     path.write_text(json.dumps(decision_body("d1")) + "\n")
     out = io.StringIO()
-    args = argparse.Namespace(file=str(path), model=engine.resolved.path, chunk=64, json=False)
+    args = argparse.Namespace(
+        file=str(path), model=engine.resolved.path, chunk=64, json=False, profile=None
+    )
     assert cmd_prompt(args, out) == 0
     request = parse_decision_line(path.read_text())
     result = engine.score([request])[0]

@@ -27,11 +27,13 @@ from arbiter.engine.llama import Llama
 from arbiter.engine.probabilities import logsumexp
 from arbiter.engine.prompting import Prompts, open_prompts
 from arbiter.models import smollm2_path
+from arbiter.profiles import load_profile
 from arbiter.schema import DecisionRequest, DecisionResult
 from arbiter.settings import EngineSettings
 from tests.gguf_models import Vocabulary, template_text
 
 DAY = dt.date(2026, 3, 14)
+BUILTIN = load_profile(None)
 GPT_OSS_CLOSED = (
     "<|start|>assistant<|channel|>analysis<|message|><|end|>"
     "<|start|>assistant<|channel|>final<|message|>"
@@ -127,12 +129,12 @@ def reference(name: str, template: str, body: str, bos: str, eos: str) -> str:
     try:
         return render(
             [
-                {"role": "system", "content": prompts.INSTRUCTION},
+                {"role": "system", "content": BUILTIN.spec.instruction},
                 {"role": "user", "content": body},
             ]
         )
     except jinja2.exceptions.TemplateError:
-        return render([{"role": "user", "content": prompts.INSTRUCTION + "\n\n" + body}])
+        return render([{"role": "user", "content": BUILTIN.spec.instruction + "\n\n" + body}])
 
 
 @pytest.fixture(scope="session")
@@ -157,7 +159,7 @@ def family_prompts(
     path = vocabularies[vocabulary].write(directory / f"{name}.gguf", template_text(name))
     settings = EngineSettings(model=path, prompt_date=DAY)
     llama = Llama(path, settings, vocab_only=True)
-    return open_prompts(llama, settings), llama
+    return open_prompts(llama, settings, BUILTIN), llama
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -172,7 +174,7 @@ def test_a_familys_decision_prompt_is_its_reference_rendering_byte_for_byte(
     finally:
         llama.close()
     _, ending, closed_here = FAMILIES[name]
-    body = content.removeprefix(prompts.INSTRUCTION + "\n\n")  # where a template has no system
+    body = content.removeprefix(BUILTIN.spec.instruction + "\n\n")  # where a template has no system
     expected = reference(name, template_text(name), body, bos, eos) + closed_here
     assert text == expected
     assert text.endswith(ending)
@@ -220,12 +222,12 @@ def test_rendered_as_before_with_no_switch_these_prompts_leave_the_model_to_reas
 
 def test_the_decision_date_is_pinned_or_the_load_day() -> None:
     template = template_text("meta-llama-Llama-3.1-8B-Instruct")
-    pinned = prompts.chat_layout(template, "", "", prompts.prompt_time(DAY))
+    pinned = prompts.chat_layout(template, "", "", prompts.prompt_time(DAY), BUILTIN)
     assert "Today Date: 14 Mar 2026\n" in pinned.head
-    today = prompts.chat_layout(template, "", "", prompts.prompt_time(None))
+    today = prompts.chat_layout(template, "", "", prompts.prompt_time(None), BUILTIN)
     assert f"Today Date: {dt.datetime.now():%d %b %Y}\n" in today.head
     gpt_oss = prompts.chat_layout(
-        template_text("openai-gpt-oss-120b"), "", "", prompts.prompt_time(DAY)
+        template_text("openai-gpt-oss-120b"), "", "", prompts.prompt_time(DAY), BUILTIN
     )
     assert "Current date: 2026-03-14\n\nReasoning: low\n\n" in gpt_oss.head
 
@@ -296,7 +298,7 @@ def test_a_qwen_style_model_is_read_after_a_closed_think_block(qwen_style: Engin
     rendered, _ = hf.render_jinja_template(
         [
             [
-                {"role": "system", "content": prompts.INSTRUCTION},
+                {"role": "system", "content": BUILTIN.spec.instruction},
                 {"role": "user", "content": content},
             ]
         ],
