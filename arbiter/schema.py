@@ -152,6 +152,17 @@ class Timing(BaseModel):
     total_s: float
 
 
+class AdapterInfo(BaseModel):
+    """A LoRA adapter applied on the served model."""
+
+    model_config = ConfigDict(frozen=True)
+
+    file: str
+    bytes: int
+    sha256: str
+    scale: float
+
+
 class ModelInfo(BaseModel):
     """Pinned metadata of the served GGUF and the runtime that ran it."""
 
@@ -171,6 +182,7 @@ class ModelInfo(BaseModel):
     llama_cpp_build: str
     prompt_profile: str = "arbiter-letters-v1"
     prompt_profile_sha256: str | None = None  # the engine always sets it
+    adapters: list[AdapterInfo] = Field(default_factory=list, description="LoRA adapters applied.")
 
 
 class DecisionResult(BaseModel):

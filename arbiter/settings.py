@@ -70,6 +70,14 @@ class EngineSettings(BaseSettings):
         ),
     )
 
+    lora: str | None = Field(
+        default=None,
+        description=(
+            "LoRA adapters applied on the model, path[:scale] separated by commas (llama-server's "
+            "--lora-scaled form; scale 1 when omitted; a relative path is in the model dir). Unset: "
+            "the adapters the model's manifest packs."
+        ),
+    )
     prompt_profile: str | None = Field(
         default=None,
         description=(
@@ -220,6 +228,9 @@ _SM_ENGINE_FLAGS = {
     **dict.fromkeys(SM_GPU_FLAGS, "n_gpu_layers"),
     "BATCH_SIZE": "n_batch",
     "B": "n_batch",
+    # llama-server's --lora FNAME[,FNAME] and --lora-scaled FNAME:SCALE[,...]: both are adapters.
+    "LORA": "lora",
+    "LORA_SCALED": "lora",
 }
 _SM_SERVER_FLAGS = {"PARALLEL": "max_in_flight", "NP": "max_in_flight"}
 _SM_HUB_FLAGS = {"HF_REPO", "HF_FILE", "HF_TOKEN", "HFR", "HFF", "MODEL_URL", "MU"}
@@ -265,6 +276,8 @@ def from_environment() -> tuple[EngineSettings, ServerSettings, list[str]]:
             continue
         mapped = _sm_value(flag, value)
         if mapped is not None and f"ARBITER_{field.upper()}" not in env:
+            if field == "lora" and field in target:  # --lora and --lora-scaled together
+                mapped = f"{target[field]},{mapped}"
             target[field] = mapped
     server = ServerSettings(**server_kw)  # type: ignore[arg-type]  # strings, validated
     engine = EngineSettings(**engine_kw)  # type: ignore[arg-type]

@@ -33,9 +33,10 @@ from arbiter.engine.prefix_cache import PrefixCache
 from arbiter.engine.prompting import open_prompts
 from arbiter.engine.scoring import Scoring, context_sequences
 from arbiter.errors import ContextLengthExceeded
+from arbiter.lora import resolve_adapters, weights_id
 from arbiter.models import ResolvedModel, resolve_model, verify
 from arbiter.profiles import resolve_profile
-from arbiter.schema import DecisionRequest, ModelInfo
+from arbiter.schema import AdapterInfo, DecisionRequest, ModelInfo
 from arbiter.scorer import Outcome
 from arbiter.settings import EngineSettings
 
@@ -48,6 +49,8 @@ class Engine:
     def __init__(self, settings: EngineSettings, resolved: ResolvedModel | None = None) -> None:
         self.resolved = resolved or resolve_model(settings.model, settings.model_dir)
         self.sha256 = verify(self.resolved)
+        # Checked against the model's tensors before llama.cpp loads anything.
+        self.adapters = resolve_adapters(settings.lora, self.resolved, settings.model_dir)
         # Serializes everything that uses the context; tokenizing runs outside it (chat prompts
         # are tokenized before admission) under the model's own lock.
         self._lock = threading.Lock()
@@ -61,6 +64,7 @@ class Engine:
             self.prompts = open_prompts(llama, settings, self.profile)
             self.labels = self.prompts.labels
             llama.open_context(settings, context_sequences(settings, self.labels))
+            llama.load_adapters([(a.path, a.scale) for a in self.adapters])
             self.model_info = self._model_info(settings)
             self.calibration: Calibration | None = None
             if settings.calibration is not None:
@@ -71,7 +75,13 @@ class Engine:
             raise
         self.settings = settings  # read at each call: a replaced one takes effect at once
         self.cache = PrefixCache(int(settings.prefix_cache_mb * 1024 * 1024))
-        self._scoring = Scoring(llama, self.prompts, self.labels, self.sha256, self.model_info)
+        self._scoring = Scoring(
+            llama,
+            self.prompts,
+            self.labels,
+            weights_id(self.sha256, self.adapters),
+            self.model_info,
+        )
 
     @property
     def n_ctx(self) -> int:
@@ -101,6 +111,10 @@ class Engine:
             llama_cpp_build=LLAMA_CPP_BUILD,
             prompt_profile=self.profile.name,
             prompt_profile_sha256=self.profile.sha256,
+            adapters=[
+                AdapterInfo(file=a.path.name, bytes=a.bytes, sha256=a.sha256, scale=a.scale)
+                for a in self.adapters
+            ],
         )
 
     # -- lifetime ----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -118,6 +118,7 @@ class Llama:
         self._closed = False
         self._model: Any = None
         self._ctx: Any = None
+        self._adapters: list[Any] = []  # LoRA adapters (load_adapters), freed with the model
         backends.init()
         try:
             self._load(settings, vocab_only)
@@ -181,6 +182,33 @@ class Llama:
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = NumpyBatch(self.n_batch)
+
+    def load_adapters(self, adapters: Sequence[tuple[Path, float]]) -> None:
+        """Load LoRA adapters on the model and apply them to the context at their scales
+        (``arbiter.lora`` has checked each against the model's tensors first)."""
+        self._adapters = []
+        for path, _ in adapters:
+            handle = llama_cpp.llama_adapter_lora_init(self._model, str(path).encode())
+            if not handle:
+                raise ModelLoadError(
+                    f"refusing to start: llama.cpp could not load the LoRA adapter {path} "
+                    "(its log line says why)"
+                )
+            self._adapters.append(handle)
+        self.set_adapter_scales([scale for _, scale in adapters])
+
+    def set_adapter_scales(self, scales: Sequence[float]) -> None:
+        """Apply the loaded adapters at ``scales`` (0: not applied; the base model's numbers)."""
+        n = len(self._adapters)
+        if len(scales) != n:
+            raise ValueError(f"{len(scales)} scales for {n} adapters")
+        if n == 0:
+            return
+        handles = (llama_cpp.llama_adapter_lora_p_ctypes * n)(*self._adapters)
+        values = (ctypes.c_float * n)(*scales)
+        rc = llama_cpp.llama_set_adapters_lora(self._ctx, handles, n, values)
+        if rc != 0:
+            raise ModelLoadError(f"llama.cpp refused to apply the LoRA adapters (status {rc})")
 
     # -- lifetime ----------------------------------------------------------------------------------
 

@@ -108,13 +108,13 @@ class Scoring:
         llama: Llama,
         prompts_: Prompts,
         labels: Labels,
-        model_sha256: str,
+        weights_id: str,
         model_info: ModelInfo,
     ) -> None:
         self.llama = llama
         self.prompts = prompts_
         self.labels = labels
-        self.model_sha256 = model_sha256
+        self.weights_id = weights_id  # the model and its adapters (``lora.weights_id``)
         self.model_info = model_info
 
     def score(
@@ -229,7 +229,7 @@ class Scoring:
         started = time.perf_counter()
         cache_state: Literal["hit", "miss", "off"] = "off"
         if cache.enabled:
-            key = prefix_key(self.model_sha256, prefix)
+            key = prefix_key(self.weights_id, prefix)
             saved = cache.get(key)
             if saved is not None and self.llama.restore(saved):
                 cache_state = "hit"
