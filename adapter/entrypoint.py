@@ -11,7 +11,10 @@ Before the exec, in this order, each failure a one-line reason on stderr and exi
 1. the settings are read as ``arbiter`` will read them (``ARBITER_*``, ``SM_LLAMA_CPP_*``; a model hub
    flag is refused);
 2. the image default for GPU layers is applied (``ARBITER_IMAGE_N_GPU_LAYERS``: ``-1`` in the CUDA
-   image, ``0`` in the CPU image) unless the deployment set the layers itself;
+   image, ``0`` in the CPU image) unless the deployment set the layers itself, and `serve` listens
+   on every interface (``ARBITER_HOST=0.0.0.0``, which SageMaker needs: it reaches the container
+   from outside) unless the deployment named one; outside a container `arbiter serve` listens on
+   127.0.0.1;
 3. a GPU layer count on a llama.cpp build without a GPU backend is refused;
 4. when ``ARBITER_MODEL_DATA_URL`` names an ``s3://`` archive and no GGUF is in the model dir, the
    archive is downloaded and unpacked there (SageMaker does this itself from ``ModelDataUrl``; ECS
@@ -64,6 +67,12 @@ def apply_image_defaults(env: MutableMapping[str, str], image_n_gpu_layers: int 
         if value is not None and value.strip().lower() != "auto":
             return
     env["ARBITER_N_GPU_LAYERS"] = str(image_n_gpu_layers)
+
+
+def apply_serve_defaults(env: MutableMapping[str, str], command: str) -> None:
+    """A container's server listens on every interface unless ``ARBITER_HOST`` says otherwise."""
+    if command == "serve":
+        env.setdefault("ARBITER_HOST", "0.0.0.0")
 
 
 def _unusable_path(exc: OSError) -> str:
@@ -144,6 +153,7 @@ def preflight(
     from arbiter.settings import from_environment
 
     apply_image_defaults(os.environ, settings.image_n_gpu_layers)
+    apply_serve_defaults(os.environ, command)
     route_llama_logs()  # the report below names the CPU variant; ggml's own line would be a second
     try:
         engine, server, unknown = from_environment()
@@ -186,6 +196,7 @@ def preflight(
         "ggml_backends": backends.count,
         "ggml_cpu_variant": backends.cpu_variant,
         "max_in_flight": server.max_in_flight,
+        "host": server.host if command == "serve" else None,
         "fetched": fetched,
         "unknown_sm_settings": unknown,
     }

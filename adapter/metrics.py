@@ -75,6 +75,18 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.cancelled = Counter(
+            "arbiter_cancelled",
+            "Requests whose client went away, by stage: queued (left the queue) or computing "
+            "(its work stopped at the next decision or decode boundary).",
+            ["stage"],
+            registry=r,
+        )
+        self.prefix_cache_bytes = Gauge(
+            "arbiter_prefix_cache_bytes",
+            "Bytes of saved state prefixes held (at most ARBITER_PREFIX_CACHE_MB).",
+            registry=r,
+        )
         self.model_ready = Gauge("arbiter_model_ready", "1 once the model is loaded.", registry=r)
         self.model = Info("arbiter_model", "The served model.", registry=r)
 

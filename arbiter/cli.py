@@ -26,6 +26,8 @@ COMMANDS = {
     "bench": "bench.cli",
     "package-model": "infra.cli",
     "deploy": "infra.cli",
+    "runtime": "emulator.cli",
+    "transform": "emulator.cli",
 }
 
 

@@ -100,7 +100,14 @@ class ServerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="ARBITER_", extra="ignore", populate_by_name=True)
 
-    host: str = Field(default="0.0.0.0", description="Interface to listen on.")
+    host: str = Field(
+        default="127.0.0.1",
+        description=(
+            "Interface to listen on: loopback unless told otherwise. The container entrypoint "
+            "and SAGEMAKER_BIND_TO_PORT set 0.0.0.0 (SageMaker reaches the container from "
+            "outside it)."
+        ),
+    )
     port: int = Field(
         default=8080,
         ge=1,
@@ -128,6 +135,25 @@ class ServerSettings(BaseSettings):
     )
     max_decisions: int = Field(
         default=256, ge=1, description='Decisions in one {"decisions": [...]} request.'
+    )
+    max_request_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Prompt tokens one request may make the engine decode (each state's shared prefix "
+            "once, every decision's question and options); over it: 413 before the engine runs. "
+            "Unset: 16 contexts shared by the requests in flight (16 x ARBITER_N_CTX / "
+            "ARBITER_MAX_IN_FLIGHT, at least one context). JSON Lines are bounded per line."
+        ),
+    )
+    max_request_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Longest a request may compute (unset: no limit): 422 before the engine runs when its "
+            "tokens would take longer at the measured speed, and the decisions not scored when "
+            "it runs out say so."
+        ),
     )
     jsonl_chunk: int = Field(
         default=16, ge=1, description="JSON Lines records scored per engine call."
@@ -182,6 +208,16 @@ class ServerSettings(BaseSettings):
             "else guards it (SageMaker's IAM, which also strips the Authorization header)."
         ),
     )
+
+
+REQUEST_CONTEXTS = 16  # the default token budget: contexts' worth shared by the requests in flight
+
+
+def request_token_limit(settings: ServerSettings, n_ctx: int) -> int:
+    """``ARBITER_MAX_REQUEST_TOKENS``, or its default for a context of ``n_ctx`` tokens."""
+    if settings.max_request_tokens is not None:
+        return settings.max_request_tokens
+    return max(n_ctx, REQUEST_CONTEXTS * n_ctx // settings.max_in_flight)
 
 
 class EntrypointSettings(BaseSettings):
@@ -279,6 +315,8 @@ def from_environment() -> tuple[EngineSettings, ServerSettings, list[str]]:
             if field == "lora" and field in target:  # --lora and --lora-scaled together
                 mapped = f"{target[field]},{mapped}"
             target[field] = mapped
+    if "SAGEMAKER_BIND_TO_PORT" in env and "ARBITER_HOST" not in env:
+        server_kw["host"] = "0.0.0.0"  # an inference pipeline's container, reached from outside
     server = ServerSettings(**server_kw)  # type: ignore[arg-type]  # strings, validated
     engine = EngineSettings(**engine_kw)  # type: ignore[arg-type]
     if "model" in engine_kw and engine.model is not None and not engine.model.is_absolute():

@@ -83,6 +83,17 @@ class Prompts:
         head, tail = self._around[id(rendered.layout)]
         return np.concatenate([head, self.content(rendered.text), tail])
 
+    def fewest_around(self) -> tuple[int, int]:
+        """The fewest template tokens before and after the content in any layout (what a floor
+        from bytes may count: ``cost``)."""
+        heads, tails = zip(*self._around.values(), strict=True)
+        return min(len(h) for h in heads), min(len(t) for t in tails)
+
+    def fixed_tokens(self, layout: prompts.PromptLayout) -> int:
+        """Tokens of the template around the content (head and tail) in ``layout``."""
+        head, tail = self._around[id(layout)]
+        return len(head) + len(tail)
+
     def state_prefix(self, state: str, layout: prompts.PromptLayout) -> np.ndarray:
         """The tokens every prompt over ``state`` in ``layout`` starts with, as the state
         tokenizes alone."""

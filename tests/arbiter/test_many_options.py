@@ -383,7 +383,10 @@ def test_the_context_check_counts_the_code_branches_before_llama_cpp(
     outcome = small.score([over])[0]
     assert isinstance(outcome, ContextLengthExceeded)
     assert "reading its 30 option codes takes 6 more" in outcome.message
-    assert "512" in outcome.message and outcome.param == "state"
+    # The 30 options together hold more of the prompt than the state: they are the part to shorten
+    # (this used to say "shorten state").
+    assert "512" in outcome.message and outcome.param == "options"
+    assert "30 options" in outcome.message
     assert calls == []  # refused before llama.cpp saw it
 
 
