@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from adapter import budgets
 from adapter.admission import Slot
@@ -42,6 +42,7 @@ from arbiter.errors import ContextLengthExceeded, InvalidDecision
 from arbiter.lines import validation_error
 from arbiter.prompt import PLAIN_STOPS, Segments, render_chat
 from arbiter.schema import Text
+from arbiter.templates import caller_kwargs
 
 # More messages than any context here can hold (each costs a few template tokens at least); the
 # cap keeps a 6 MB body from becoming minutes of validation and template rendering.
@@ -84,17 +85,43 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # The chat template's keywords, as llama.cpp's server takes them (``templates.caller_kwargs``).
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="Passed to the chat template, e.g. {\"enable_thinking\": false}."
+    )
+    reasoning_effort: Text | None = Field(
+        default=None, description='Passed to the template; "none" turns thinking off.'
+    )
+    enable_thinking: bool | None = Field(
+        default=None, description="The template's thinking switch (unset: the template's default)."
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        caller_kwargs(value)
+        return value
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return caller_kwargs(self.chat_template_kwargs, self.reasoning_effort, self.enable_thinking)
+
 
 
 # -- prompt ----------------------------------------------------------------------------------------
 
 
 def render(
-    messages: list[ChatMessage], template: str | None, bos_text: str, eos_text: str
+    messages: list[ChatMessage],
+    template: str | None,
+    bos_text: str,
+    eos_text: str,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> Segments:
     """The prompt as (text, is_template) segments, ending where the assistant's reply starts
     (``arbiter.prompt.render_chat``)."""
-    return render_chat([(m.role, m.text) for m in messages], template, bos_text, eos_text)
+    pairs = [(m.role, m.text) for m in messages]
+    return render_chat(pairs, template, bos_text, eos_text, template_kwargs)
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -192,7 +219,11 @@ async def respond(request: web.Request, state: State, raw: dict[str, Any]) -> we
     def prompt() -> np.ndarray:
         # Off the event loop: a template over hundreds of messages takes a while to render.
         segments = render(
-            chat_request.messages, engine.chat_template, engine.bos_text, engine.eos_text
+            chat_request.messages,
+            engine.chat_template,
+            engine.bos_text,
+            engine.eos_text,
+            chat_request.template_kwargs,
         )
         return engine.encode_segments(segments)
 

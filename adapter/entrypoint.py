@@ -22,6 +22,10 @@ Before the exec, in this order, each failure a one-line reason on stderr and exi
 5. the model is resolved exactly as the engine resolves it, and its sha256 checked against the
    ``model-manifest.json`` beside it; a path that cannot be written or read (a read-only root
    filesystem, a model dir without permission) is named in the reason, never a traceback.
+6. the prompt profile (``ARBITER_PROMPT_PROFILE``, or the manifest's) is parsed and checked, and a
+   profile's own labels tokenized in the model's vocabulary (a vocabulary-only load, no weights);
+   each LoRA adapter (``ARBITER_LORA``, ``SM_LLAMA_CPP_LORA``, or the manifest's) is checked against
+   the model's tensors and its sha256 against the manifest.
 
 The report line it logs names the ggml CPU variant that llama.cpp loaded for this CPU (the CPU image
 carries one per x86 feature level; ``ggml_cpu_variant``).
@@ -142,7 +146,10 @@ def preflight(
     """Everything checked before the exec, on ``os.environ`` (which the exec passes on, image
     defaults applied); returns what was found, logged as one JSON line."""
     from arbiter.engine.backends import load_backends, route_llama_logs
+    from arbiter.engine.prompting import check_prompts
+    from arbiter.lora import resolve_adapters
     from arbiter.models import _find_in_dir, resolve_model, verify
+    from arbiter.profiles import DEFAULT_PROFILE, resolve_profile
     from arbiter.settings import from_environment
 
     apply_image_defaults(os.environ, settings.image_n_gpu_layers)
@@ -165,6 +172,12 @@ def preflight(
             )
         resolved = resolve_model(engine.model, engine.model_dir)
         sha256 = verify(resolved) if settings.preflight_sha256 else None
+        # The prompt profile, and a profile's own labels against the model's vocabulary (no
+        # weights loaded; the built-in's letters are checked by the engine's load as before).
+        profile = resolve_profile(engine.prompt_profile, resolved)
+        if profile.source != f"builtin:{DEFAULT_PROFILE}":
+            check_prompts(resolved.path, engine, profile)
+        adapters = resolve_adapters(engine.lora, resolved, engine.model_dir)
     except ModelLoadError as exc:
         raise Refused(exc.message) from exc
     except OSError as exc:
@@ -176,6 +189,9 @@ def preflight(
         "model_source": resolved.source,
         "manifest": resolved.expected_sha256 is not None,
         "sha256": sha256,
+        "prompt_profile": profile.name,
+        "prompt_profile_sha256": profile.sha256,
+        "lora": [{"file": str(a.path), "sha256": a.sha256, "scale": a.scale} for a in adapters],
         "n_gpu_layers": engine.n_gpu_layers,
         "ggml_backends": backends.count,
         "ggml_cpu_variant": backends.cpu_variant,

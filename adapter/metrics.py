@@ -102,5 +102,8 @@ class Metrics:
             self.decisions.labels(getattr(outcome, "code", "internal_error")).inc()
 
     def set_model(self, info: ModelInfo) -> None:
-        self.model.info({k: str(v) for k, v in info.model_dump().items()})
+        labels = {k: str(v) for k, v in info.model_dump(exclude={"adapters"}).items()}
+        # LoRA adapters as one label: file:sha256:scale, comma-separated ("" for none).
+        labels["lora"] = ",".join(f"{a.file}:{a.sha256}:{a.scale:g}" for a in info.adapters)
+        self.model.info(labels)
         self.model_ready.set(1)

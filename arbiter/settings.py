@@ -8,6 +8,7 @@ llama.cpp image's ``SM_LLAMA_CPP_*`` flags included; the worker pool's are in ``
 from __future__ import annotations
 
 import os
+from datetime import date
 from pathlib import Path
 
 from pydantic import AliasChoices, Field
@@ -66,6 +67,30 @@ class EngineSettings(BaseSettings):
         description=(
             "A calibration file from `arbiter calibrate`: temperatures per question type, used "
             "when a request sets none (results then say probability_status: calibrated)."
+        ),
+    )
+
+    lora: str | None = Field(
+        default=None,
+        description=(
+            "LoRA adapters applied on the model, path[:scale] separated by commas (llama-server's "
+            "--lora-scaled form; scale 1 when omitted; a relative path is in the model dir). Unset: "
+            "the adapters the model's manifest packs."
+        ),
+    )
+    prompt_profile: str | None = Field(
+        default=None,
+        description=(
+            "The prompt profile: a built-in name (arbiter-letters-v1, the default) or the path "
+            "of a profile file (TOML: instruction, layout, labels, answer cue; docs/models.md). "
+            "Unset: the one the model's manifest packs, else the default."
+        ),
+    )
+    prompt_date: date | None = Field(
+        default=None,
+        description=(
+            "The date a chat template's decision prompt reads (Llama 3.x, Mistral Small, gpt-oss "
+            "print today's date), YYYY-MM-DD; unset: the day the model is loaded."
         ),
     )
 
@@ -239,6 +264,9 @@ _SM_ENGINE_FLAGS = {
     **dict.fromkeys(SM_GPU_FLAGS, "n_gpu_layers"),
     "BATCH_SIZE": "n_batch",
     "B": "n_batch",
+    # llama-server's --lora FNAME[,FNAME] and --lora-scaled FNAME:SCALE[,...]: both are adapters.
+    "LORA": "lora",
+    "LORA_SCALED": "lora",
 }
 _SM_SERVER_FLAGS = {"PARALLEL": "max_in_flight", "NP": "max_in_flight"}
 _SM_HUB_FLAGS = {"HF_REPO", "HF_FILE", "HF_TOKEN", "HFR", "HFF", "MODEL_URL", "MU"}
@@ -284,6 +312,8 @@ def from_environment() -> tuple[EngineSettings, ServerSettings, list[str]]:
             continue
         mapped = _sm_value(flag, value)
         if mapped is not None and f"ARBITER_{field.upper()}" not in env:
+            if field == "lora" and field in target:  # --lora and --lora-scaled together
+                mapped = f"{target[field]},{mapped}"
             target[field] = mapped
     if "SAGEMAKER_BIND_TO_PORT" in env and "ARBITER_HOST" not in env:
         server_kw["host"] = "0.0.0.0"  # an inference pipeline's container, reached from outside

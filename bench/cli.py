@@ -33,6 +33,15 @@ def register(sub: Any) -> None:
     engine.add_argument(
         "--long-prompt", type=int, default=0, metavar="N", help="add a ~N-token single-decision row"
     )
+    engine.add_argument(
+        "--lora",
+        default=None,
+        metavar="SPEC",
+        help="add the adapter rows: an ARBITER_LORA value (path[:scale],...) or 'random'",
+    )
+    engine.add_argument(
+        "--adapter-only", action="store_true", help="with --lora: only the adapter rows"
+    )
 
     models = suites.add_parser("models", help="compare the bundled candidate models")
     models.add_argument("--file", default="examples/labeled.jsonl", help="labeled decisions")

@@ -38,6 +38,8 @@ MODEL_INFO = ModelInfo(
     chat_template=False,
     llama_cpp_python_version="0",
     llama_cpp_build="none",
+    prompt_profile="arbiter-letters-v1",
+    prompt_profile_sha256="0" * 64,
 )
 
 # -- decisions -------------------------------------------------------------------------------------
@@ -99,7 +101,12 @@ def uniform_result(
         probability_status="raw",
         prefix_cache="off",
         prompt=PromptInfo(
-            sha256="0" * 64, version=version, input_tokens=10, prefix_tokens=prefix_tokens
+            sha256="0" * 64,
+            version=version,
+            input_tokens=10,
+            prefix_tokens=prefix_tokens,
+            profile="arbiter-letters-v1",
+            profile_sha256="0" * 64,
         ),
         timing=Timing(tokenize_s=0, prefill_s=prefill_s, readout_s=0, total_s=prefill_s),
         model=MODEL_INFO,

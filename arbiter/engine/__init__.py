@@ -34,15 +34,17 @@ from arbiter.engine.budget import Budget
 from arbiter.engine.calibration import Calibration
 from arbiter.engine.cost import CostFloor
 from arbiter.engine.generation import GenerationRequest, generate
-from arbiter.engine.labels import Labels
 from arbiter.engine.llama import LLAMA_CPP_BUILD, LLAMA_CPP_PYTHON_VERSION, Llama
 from arbiter.engine.prefix_cache import PrefixCache
+from arbiter.engine.prompting import open_prompts
 from arbiter.engine.sampler import Grammar
 from arbiter.engine.sampling import Choice, Generation, OnDelta, SamplingParams, TokenLogprob
-from arbiter.engine.scoring import Prompts, Scoring, context_sequences
+from arbiter.engine.scoring import Scoring, context_sequences
 from arbiter.errors import ContextLengthExceeded, InvalidDecision
+from arbiter.lora import resolve_adapters, weights_id
 from arbiter.models import ResolvedModel, resolve_model, verify
-from arbiter.schema import DecisionRequest, ModelInfo
+from arbiter.profiles import resolve_profile
+from arbiter.schema import AdapterInfo, DecisionRequest, ModelInfo
 from arbiter.scorer import Outcome
 from arbiter.settings import EngineSettings
 
@@ -64,27 +66,28 @@ class Engine:
     def __init__(self, settings: EngineSettings, resolved: ResolvedModel | None = None) -> None:
         self.resolved = resolved or resolve_model(settings.model, settings.model_dir)
         self.sha256 = verify(self.resolved)
+        # Checked against the model's tensors before llama.cpp loads anything.
+        self.adapters = resolve_adapters(settings.lora, self.resolved, settings.model_dir)
         # Serializes everything that uses the context; tokenizing runs outside it (chat prompts
         # are tokenized in their admission slot) under the model's own lock.
         self._lock = threading.Lock()
         self.llama = Llama(self.resolved.path, settings)
         try:
             llama = self.llama
-            self.bos_text = self.piece(llama.bos)  # "" for a model without one
-            self.eos_text = self.piece(llama.eos)
+            self.bos_text = llama.piece_text(llama.bos)  # "" for a model without one
+            self.eos_text = llama.piece_text(llama.eos)
             self.chat_template = llama.chat_template
-            if llama.chat_template:
-                layout = prompts.chat_layout(llama.chat_template, self.bos_text, self.eos_text)
-            else:
-                layout = prompts.plain_layout()
-            self.labels = Labels.of(llama)
-            self.prompts = Prompts(llama, layout, self.labels)
+            self.profile = resolve_profile(settings.prompt_profile, self.resolved)
+            self.prompts = open_prompts(llama, settings, self.profile)
+            self.labels = self.prompts.labels
             llama.open_context(settings, context_sequences(settings, self.labels))
+            llama.load_adapters([(a.path, a.scale) for a in self.adapters])
+            head_tokens, tail_tokens = self.prompts.fewest_around()
             self.cost = CostFloor(
                 n_ctx=llama.n_ctx,
                 max_piece=llama.max_piece_bytes(),
-                head_tokens=len(self.prompts.head),
-                tail_tokens=len(self.prompts.tail),
+                head_tokens=head_tokens,
+                tail_tokens=tail_tokens,
             )
             self.model_info = self._model_info(settings)
             self.calibration: Calibration | None = None
@@ -97,7 +100,12 @@ class Engine:
         self.settings = settings  # read at each call: a replaced one takes effect at once
         self.cache = PrefixCache(int(settings.prefix_cache_mb * 1024 * 1024))
         self._scoring = Scoring(
-            llama, self.prompts, self.labels, self.sha256, self.model_info, self.cost
+            llama,
+            self.prompts,
+            self.labels,
+            weights_id(self.sha256, self.adapters),
+            self.model_info,
+            self.cost,
         )
 
     @property
@@ -131,6 +139,12 @@ class Engine:
             chat_template=self.prompts.layout.chat,
             llama_cpp_python_version=LLAMA_CPP_PYTHON_VERSION,
             llama_cpp_build=LLAMA_CPP_BUILD,
+            prompt_profile=self.profile.name,
+            prompt_profile_sha256=self.profile.sha256,
+            adapters=[
+                AdapterInfo(file=a.path.name, bytes=a.bytes, sha256=a.sha256, scale=a.scale)
+                for a in self.adapters
+            ],
         )
 
     # -- lifetime ----------------------------------------------------------------------------------
@@ -157,7 +171,7 @@ class Engine:
 
     def piece(self, token: int) -> str:
         """The text of one token ("" for an id outside the vocabulary, e.g. a missing BOS)."""
-        return self.llama.piece_bytes(token, special=True).decode("utf-8", "replace")
+        return self.llama.piece_text(token)
 
     def is_control(self, token: int) -> bool:
         return self.llama.is_control(token)
@@ -278,9 +292,14 @@ class Engine:
             Grammar(vocab, text, param=param).close()
 
 
-def open_engine(settings: EngineSettings | None = None, model: Path | None = None) -> Engine:
-    """Build an engine from the environment (or the given settings), optionally forcing a model."""
+def open_engine(
+    settings: EngineSettings | None = None, model: Path | None = None, profile: str | None = None
+) -> Engine:
+    """Build an engine from the environment (or the given settings), optionally forcing a model
+    or a prompt profile."""
     settings = settings or EngineSettings()
     if model is not None:
         settings = settings.model_copy(update={"model": model})
+    if profile is not None:
+        settings = settings.model_copy(update={"prompt_profile": profile})
     return Engine(settings)

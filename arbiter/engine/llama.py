@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -112,22 +112,26 @@ class Llama:
     engine serializes that; tokenizing and token texts take a lock of their own, so :meth:`close`
     never frees the vocabulary under a running call."""
 
-    def __init__(self, path: Path, settings: EngineSettings) -> None:
-        """Load the model and its vocabulary; :meth:`open_context` makes the context."""
+    def __init__(self, path: Path, settings: EngineSettings, *, vocab_only: bool = False) -> None:
+        """Load the model and its vocabulary; :meth:`open_context` makes the context.
+
+        ``vocab_only``: the vocabulary and metadata alone (no weights: the prompts of a model can
+        be rendered and counted, nothing decoded)."""
         self.path = path
         self._tok_lock = threading.Lock()
         self._closed = False
         self._model: Any = None
         self._ctx: Any = None
+        self._adapters: list[Any] = []  # LoRA adapters (load_adapters), freed with the model
         self._interrupt: Callable[[], None] | None = None
         backends.init()
         try:
-            self._load(settings)
+            self._load(settings, vocab_only)
         except BaseException:
             self.close()  # a model refused part-way through loading frees what it had
             raise
 
-    def _load(self, s: EngineSettings) -> None:
+    def _load(self, s: EngineSettings, vocab_only: bool) -> None:
         if s.n_gpu_layers != 0 and not llama_cpp.llama_supports_gpu_offload():
             raise ModelLoadError(
                 f"n_gpu_layers={s.n_gpu_layers} was asked for, but this llama.cpp build has no GPU "
@@ -135,6 +139,7 @@ class Llama:
             )
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = 10_000 if s.n_gpu_layers < 0 else s.n_gpu_layers
+        mparams.vocab_only = vocab_only
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}")
@@ -182,6 +187,33 @@ class Llama:
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = NumpyBatch(self.n_batch)
+
+    def load_adapters(self, adapters: Sequence[tuple[Path, float]]) -> None:
+        """Load LoRA adapters on the model and apply them to the context at their scales
+        (``arbiter.lora`` has checked each against the model's tensors first)."""
+        self._adapters = []
+        for path, _ in adapters:
+            handle = llama_cpp.llama_adapter_lora_init(self._model, str(path).encode())
+            if not handle:
+                raise ModelLoadError(
+                    f"refusing to start: llama.cpp could not load the LoRA adapter {path} "
+                    "(its log line says why)"
+                )
+            self._adapters.append(handle)
+        self.set_adapter_scales([scale for _, scale in adapters])
+
+    def set_adapter_scales(self, scales: Sequence[float]) -> None:
+        """Apply the loaded adapters at ``scales`` (0: not applied; the base model's numbers)."""
+        n = len(self._adapters)
+        if len(scales) != n:
+            raise ValueError(f"{len(scales)} scales for {n} adapters")
+        if n == 0:
+            return
+        handles = (llama_cpp.llama_adapter_lora_p_ctypes * n)(*self._adapters)
+        values = (ctypes.c_float * n)(*scales)
+        rc = llama_cpp.llama_set_adapters_lora(self._ctx, handles, n, values)
+        if rc != 0:
+            raise ModelLoadError(f"llama.cpp refused to apply the LoRA adapters (status {rc})")
 
     # -- lifetime ----------------------------------------------------------------------------------
 
@@ -292,6 +324,11 @@ class Llama:
                 buf = ctypes.create_string_buffer(-n)
                 n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[: max(n, 0)]
+
+    def piece_text(self, token: int) -> str:
+        """The text of one token, control tokens included ("" for an id outside the vocabulary,
+        e.g. a missing BOS)."""
+        return self.piece_bytes(token, special=True).decode("utf-8", "replace")
 
     def is_control(self, token: int) -> bool:
         if not 0 <= token < self.n_vocab:

@@ -12,8 +12,10 @@ import numpy as np
 State = bytes | bytearray
 
 
-def prefix_key(model_sha256: str, tokens: np.ndarray) -> str:
-    digest = hashlib.sha256(model_sha256.encode())
+def prefix_key(weights_id: str, tokens: np.ndarray) -> str:
+    """The key of a saved prefix: the weights it was computed with (the model's sha256 and any
+    adapter's, with its scale) and its tokens."""
+    digest = hashlib.sha256(weights_id.encode())
     digest.update(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
     return digest.hexdigest()
 

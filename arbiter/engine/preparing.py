@@ -9,8 +9,8 @@ is checked before the engine runs (``scoring``).
 
 from __future__ import annotations
 
-import hashlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,6 +19,7 @@ import numpy as np
 from arbiter import prompt as prompts
 from arbiter.engine.cost import CostFloor, Parts, too_long
 from arbiter.engine.labels import CodeReadout, Labels, Paths
+from arbiter.engine.prompting import prompt_sha256
 from arbiter.errors import (
     ArbiterError,
     EngineFailure,
@@ -27,25 +28,27 @@ from arbiter.errors import (
     TooManyOptions,
 )
 from arbiter.logging import get_logger
-from arbiter.schema import MAX_OPTIONS, DecisionRequest
+from arbiter.schema import DecisionRequest
 
 log = get_logger("arbiter.engine")
 
 
 class PromptTokens(Protocol):
-    """What preparing needs of ``scoring.Prompts``: a decision's text and tokens."""
+    """What preparing needs of ``prompting.Prompts``: a decision's text and tokens."""
 
-    layout: prompts.PromptLayout
-    head: np.ndarray
-    tail: np.ndarray
+    def layout_for(self, n_options: int) -> prompts.PromptLayout: ...
 
     def render(self, request: DecisionRequest) -> prompts.RenderedContent: ...
 
     def tokens(self, rendered: prompts.RenderedContent) -> np.ndarray: ...
 
+    def fixed_tokens(self, layout: prompts.PromptLayout) -> int: ...
+
     def version(self, request: DecisionRequest) -> str: ...
 
-    def state_prefix(self, state: str) -> np.ndarray: ...
+    def shared_prefix(
+        self, state: str, layout: prompts.PromptLayout, prompt_tokens: Sequence[np.ndarray]
+    ) -> int: ...
 
 
 @dataclass
@@ -102,12 +105,6 @@ def decision_error(exc: Exception) -> ArbiterError:
     return EngineFailure(f"this decision could not be scored ({type(exc).__name__}); see the log")
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    mismatch = np.flatnonzero(a[:n] != b[:n])
-    return int(mismatch[0]) if len(mismatch) else n
-
-
 Errors = list[tuple[int, ArbiterError]]
 
 
@@ -120,10 +117,10 @@ class Preparer:
         self.cost = cost
 
     def group(
-        self, state: str, members: list[tuple[int, DecisionRequest]]
+        self, state: str, layout: prompts.PromptLayout, members: list[tuple[int, DecisionRequest]]
     ) -> tuple[Group | None, Errors]:
-        """One state's decisions tokenized, and the prefix they share; the errors of those that
-        cannot be scored."""
+        """One state's decisions in one layout tokenized, and the prefix they share; the errors
+        of those that cannot be scored."""
         errors: Errors = []
         prepared: list[Prepared] = []
         state_bytes = len(state.encode("utf-8", "surrogatepass"))
@@ -136,27 +133,18 @@ class Preparer:
             return None, errors
         started = time.perf_counter()
         try:
-            state_prefix = self.prompts.state_prefix(state)
+            # A true token prefix of every prompt by construction (``Prompts.shared_prefix``).
+            shared = self.prompts.shared_prefix(state, layout, [p.tokens for p in prepared])
         except Exception as exc:
             error = decision_error(exc)
             return None, errors + [(p.index, error) for p in prepared]
-        # The prefix is a true token prefix of every prompt by construction: the longest run the
-        # state's own tokenization shares with each full prompt (BPE merges at the boundary fall
-        # outside it), and always at least one token short of the shortest.
-        shared = min(_common_prefix(state_prefix, p.tokens) for p in prepared)
-        shared = min(shared, min(len(p.tokens) for p in prepared) - 1)
         return Group(prepared, shared, time.perf_counter() - started), errors
 
     def prepare(self, index: int, request: DecisionRequest, state_bytes: int) -> Prepared:
         started = time.perf_counter()
         n_options = len(request.options)
-        if n_options > MAX_OPTIONS:
-            raise TooManyOptions(
-                f"{n_options} options given; at most {MAX_OPTIONS} options are supported "
-                f"(up to {self.labels.max_letters} are labelled with letters, more with "
-                f"{self.labels.codes.name} codes)",
-                param="options",
-            )
+        if n_options > self.labels.max_options:
+            raise TooManyOptions(self.labels.too_many(n_options), param="options")
         # Refused from its bytes alone when it cannot fit: nothing is tokenized.
         parts = self.cost.check_decision(request, Parts.of(request, state_bytes))
         paths = self.labels.paths(n_options)
@@ -166,7 +154,7 @@ class Preparer:
         # llama.cpp call, with the prompt.
         label_cells = paths.cells if paths is not None else 0
         if len(tokens) + label_cells > self.cost.n_ctx:
-            fixed = len(self.prompts.head) + len(self.prompts.tail)
+            fixed = self.prompts.fixed_tokens(content.layout)
             raise too_long(
                 parts,
                 self.cost.n_ctx,
@@ -176,12 +164,11 @@ class Preparer:
                 content_tokens=len(tokens) - fixed,
                 label_cells=label_cells,
             )
-        text = prompts.full_text(self.prompts.layout, content)
         return Prepared(
             index=index,
             request=request,
             tokens=tokens,
-            prompt_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            prompt_sha256=prompt_sha256(prompts.full_text(content)),
             prompt_version=self.prompts.version(request),
             tokenize_s=time.perf_counter() - started,
             paths=paths,

@@ -31,6 +31,7 @@ from arbiter.engine.llama import Llama
 from arbiter.engine.prefix_cache import PrefixCache, prefix_key
 from arbiter.engine.preparing import Group, Prepared, Preparer, decision_error
 from arbiter.engine.probabilities import logsumexp, softmax
+from arbiter.engine.prompting import Prompts
 from arbiter.errors import EngineFailure, InvalidDecision
 from arbiter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
 from arbiter.scorer import Outcome
@@ -50,44 +51,6 @@ def context_sequences(settings: EngineSettings, labels: Labels) -> int:
     return max(settings.max_branches + 1, 2 + labels.max_branches)
 
 
-class Prompts:
-    """Decisions as the model reads them: the rendered text and its tokens (``arbiter.prompt``
-    around the model's chat template). Caller text is tokenized without special-token parsing."""
-
-    def __init__(self, llama: Llama, layout: prompts.PromptLayout, labels: Labels) -> None:
-        self.llama = llama
-        self.layout = layout
-        self.labels = labels
-        head = llama.tokenize(self.layout.head, special=True)
-        if llama.add_bos and (len(head) == 0 or head[0] != llama.bos):
-            head = np.concatenate([np.array([llama.bos], dtype=np.int32), head])
-        self.head = head
-        self.tail = llama.tokenize(self.layout.tail, special=True)
-
-    def content(self, text: str) -> np.ndarray:
-        return self.llama.tokenize(text, special=False)
-
-    def render(self, request: DecisionRequest) -> prompts.RenderedContent:
-        return prompts.render_content(
-            self.layout,
-            prompts.state_text(request.state),
-            request.question,
-            [o.description for o in request.options],
-            self.labels.texts(len(request.options)),
-        )
-
-    def version(self, request: DecisionRequest) -> str:
-        return prompts.version(self.layout, self.labels.texts(len(request.options)))
-
-    def text(self, request: DecisionRequest) -> str:
-        return prompts.full_text(self.layout, self.render(request))
-
-    def tokens(self, rendered: prompts.RenderedContent) -> np.ndarray:
-        return np.concatenate([self.head, self.content(rendered.text), self.tail])
-
-    def state_prefix(self, state: str) -> np.ndarray:
-        """The tokens every prompt over ``state`` starts with, as the state tokenizes alone."""
-        return np.concatenate([self.head, self.content(prompts.state_prefix(self.layout, state))])
 
 
 class Scoring:
@@ -99,14 +62,14 @@ class Scoring:
         llama: Llama,
         prompts_: Prompts,
         labels: Labels,
-        model_sha256: str,
+        weights_id: str,
         model_info: ModelInfo,
         cost: CostFloor,
     ) -> None:
         self.llama = llama
         self.prompts = prompts_
         self.labels = labels
-        self.model_sha256 = model_sha256
+        self.weights_id = weights_id  # the model and its adapters (``lora.weights_id``)
         self.model_info = model_info
         self.preparer = Preparer(prompts_, labels, cost)
         self.speed = Speed()  # seconds per decoded token, for the time budget's estimates
@@ -125,16 +88,21 @@ class Scoring:
         refusal raises for the whole call, and stops tokenizing once the request is over), and
         it is checked again before each group is decoded (``Budget.interrupt``)."""
         outcomes: list[Outcome | None] = [None] * len(decisions)
-        members: dict[str, list[tuple[int, DecisionRequest]]] = {}
+        # One group per state and layout (questions with codes have an instruction of their own).
+        members: dict[tuple[str, prompts.PromptLayout], list[tuple[int, DecisionRequest]]] = {}
         for i, request in enumerate(decisions):
             try:
-                members.setdefault(prompts.state_text(request.state), []).append((i, request))
+                key = (
+                    prompts.state_text(request.state),
+                    self.prompts.layout_for(len(request.options)),
+                )
+                members.setdefault(key, []).append((i, request))
             except Exception as exc:  # a state that is not JSON (only without the schema)
                 outcomes[i] = decision_error(exc)
         groups: list[Group] = []
         tokens = 0
-        for state, group_members in members.items():
-            group, errors = self.preparer.group(state, group_members)
+        for (state, layout), group_members in members.items():
+            group, errors = self.preparer.group(state, layout, group_members)
             for index, error in errors:
                 outcomes[index] = error
             if group is not None:
@@ -188,7 +156,7 @@ class Scoring:
         started = time.perf_counter()
         cache_state: Literal["hit", "miss", "off"] = "off"
         if cache.enabled:
-            key = prefix_key(self.model_sha256, prefix)
+            key = prefix_key(self.weights_id, prefix)
             saved = cache.get(key)
             if saved is not None and self.llama.restore(saved):
                 cache_state = "hit"
@@ -335,6 +303,8 @@ class Scoring:
                 version=p.prompt_version,
                 input_tokens=len(p.tokens),
                 prefix_tokens=run.prefix_tokens,
+                profile=self.model_info.prompt_profile,
+                profile_sha256=self.model_info.prompt_profile_sha256,
             ),
             timing=Timing(
                 tokenize_s=tokenize_s,

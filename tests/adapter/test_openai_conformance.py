@@ -358,7 +358,7 @@ SENT: dict[str, tuple[Any, str]] = {
     "prompt_cache_key": ("k", "honoured"),
     "prompt_cache_options": ({}, "honoured"),
     "prompt_cache_retention": ("24h", "honoured"),
-    "reasoning_effort": ("low", "refused"),
+    "reasoning_effort": ("low", "honoured"),  # passed to the chat template (issue 20)
     "response_format": ({"type": "json_object"}, "honoured"),
     "safety_identifier": ("u1", "honoured"),
     "seed": (3, "honoured"),
