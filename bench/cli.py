@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from pathlib import Path
 from typing import Any
 
 from bench.common import LABELED
 
-SUITES = ("engine", "models", "http", "worker", "faults", "all")
+SUITES = ("engine", "models", "http", "worker", "faults", "peers", "all")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -74,6 +75,17 @@ def register(sub: Any) -> None:
     )
     faults.add_argument("--lines", type=int, default=60)
     faults.add_argument("--questions", type=int, default=10)
+
+    peers = suites.add_parser(
+        "peers", help="Arbiter vs llama.cpp's own C++ server (built here), paired on the same tokens"
+    )
+    peers.add_argument("--model", type=Path, default=None)
+    peers.add_argument("--decisions", type=int, default=20, help="cold single decisions")
+    peers.add_argument("--states", type=int, default=4, help="states of the interleaved row")
+    peers.add_argument("--repeats", type=int, default=3, help="rounds of the shared-state row")
+    peers.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    peers.add_argument("--n-ctx", type=int, default=8192)
+    peers.add_argument("--json", action="store_true", help="print JSON (last line: the report)")
 
     every = suites.add_parser("all", help="every benchmark, plus the peer comparisons")
     every.add_argument("--file", default=str(LABELED), help="labeled decisions for the comparisons")
