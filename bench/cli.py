@@ -85,6 +85,10 @@ def register(sub: Any) -> None:
     peers.add_argument("--repeats", type=int, default=3, help="rounds of the shared-state row")
     peers.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     peers.add_argument("--n-ctx", type=int, default=8192)
+    peers.add_argument(
+        "--chat-model", type=Path, default=None, help="the chat row's model (else SmolLM2)"
+    )
+    peers.add_argument("--no-chat", action="store_true", help="leave out the chat row")
     peers.add_argument("--json", action="store_true", help="print JSON (last line: the report)")
 
     every = suites.add_parser("all", help="every benchmark, plus the peer comparisons")

@@ -183,6 +183,7 @@ class Workload:
     cold: list[tuple[DecisionRequest, np.ndarray]]
     shared: list[tuple[DecisionRequest, np.ndarray]]
     interleaved: list[tuple[DecisionRequest, np.ndarray]]
+    texts: list[str]  # the cold decisions' prompt text, for the chat row
 
 
 def build_workload(model: Path, decisions: int, states: int) -> Workload:
@@ -209,7 +210,8 @@ def build_workload(model: Path, decisions: int, states: int) -> Workload:
             for s, state in enumerate(many):
                 d = case_decision(100 * s + q, state, QUESTIONS[q])
                 interleaved.append((d, engine.prompt_tokens(d)))
-        return Workload(cold, shared, interleaved)
+        texts = [engine.prompts.render(d).text for d, _ in cold]
+        return Workload(cold, shared, interleaved, texts)
     finally:
         engine.close()
 
@@ -253,6 +255,47 @@ def interleaved_row(arbiter: str, cpp: str, work: Workload) -> dict[str, Any]:
     return paired(pairs, warmup=0)
 
 
+def chat_body(text: str) -> dict[str, Any]:
+    """How text-path users read options: one token, greedy, the top 20 log-probabilities."""
+    return {
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 1,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
+
+
+def chat_sample(base: str, text: str, *, cpp: bool) -> Sample:
+    body = chat_body(text)
+    if cpp:
+        body["cache_prompt"] = False  # each request prefilled whole, as Arbiter's chat path does
+    out, wall = _post(f"{base}/v1/chat/completions", body)
+    if not out["choices"][0].get("logprobs"):
+        raise RuntimeError(f"{base} answered no logprobs: {out}")
+    timings = out.get("timings", {})
+    server = (timings.get("prompt_ms", 0.0) + timings.get("predicted_ms", 0.0)) / 1000
+    return Sample(wall, server or wall)
+
+
+def chat_row(model: Path, n_ctx: int, threads: int, texts: list[str]) -> dict[str, Any]:
+    """The text path on a model with a chat template: both servers render it themselves."""
+    with cpp_server(model, n_ctx, threads) as cpp, arbiter_server(model, threads, 0) as arbiter:
+        pairs = [
+            (partial(chat_sample, arbiter, t, cpp=False), partial(chat_sample, cpp, t, cpp=True))
+            for t in texts
+        ]
+        row = paired(pairs)
+        ours, _ = _post(f"{arbiter}/v1/chat/completions", chat_body(texts[0]))
+        theirs, _ = _post(f"{cpp}/v1/chat/completions", chat_body(texts[0]))
+        row["prompt_tokens"] = {
+            "arbiter": ours["usage"]["prompt_tokens"],
+            "llama_server": theirs["usage"]["prompt_tokens"],
+        }
+        row["model"] = model.name
+    return row
+
+
 def _fmt(row: dict[str, Any]) -> str:
     return (
         f"Arbiter p50 {row['arbiter_p50_ms']:8.1f} ms | llama-server p50 {row['server_p50_ms']:8.1f}"
@@ -262,7 +305,7 @@ def _fmt(row: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from arbiter.models import bundled_model
+    from arbiter.models import bundled_model, smollm2_path
 
     LOGS.mkdir(exist_ok=True)
     model = Path(args.model) if args.model else bundled_model().path
@@ -279,6 +322,11 @@ def main(args: argparse.Namespace) -> int:
         with arbiter_server(model, threads, cache_mb=256) as arbiter:
             rows["interleaved"] = interleaved_row(arbiter, cpp, work)
             print(f"interleaved states          {_fmt(rows['interleaved'])}", flush=True)
+    chat_model = Path(args.chat_model) if args.chat_model else smollm2_path()
+    if chat_model is not None and not args.no_chat:
+        texts = [work.texts[i] for i in range(min(len(work.texts), args.decisions))]
+        rows["chat"] = chat_row(chat_model, args.n_ctx, threads, texts)
+        print(f"chat, top_logprobs 20 ({chat_model.name})  {_fmt(rows['chat'])}", flush=True)
     report = {"model": model.name, "threads": threads, "rows": rows}
     if args.json:
         print(json.dumps(report))
