@@ -11,7 +11,7 @@ LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS := $(shell scripts/llama-cmake-args)
 WHEELHOUSE := $(HOME)/.cache/arbiter/wheels/$(shell echo "$(LLAMA_CPP_PYTHON) $(LLAMA_CMAKE_ARGS)" | sha256sum | cut -c1-12)
 
-.PHONY: setup run test test-container gpu-rehearse fuzz lint bench clean
+.PHONY: setup run test test-container gpu-rehearse fuzz lint bench mutate soak clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,7 +33,7 @@ run: $(STAMP)
 	$(BIN)/arbiter local --submit examples/job.jsonl
 
 test: $(STAMP)
-	$(BIN)/ruff check arbiter adapter worker evaluation bench tests infra gpucheck
+	$(BIN)/ruff check arbiter adapter worker evaluation bench tests infra gpucheck emulator
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
@@ -53,6 +53,18 @@ fuzz: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/arbiter bench engine
+
+# Mixed and hostile traffic against arbiter serve on the real model (bench/soak.py): fails on any 5xx,
+# RSS growth past its bound after warm-up, fd growth, or an unhealthy server. CI runs 2 minutes.
+SOAK_MINUTES ?= 2
+soak: $(STAMP)
+	$(BIN)/arbiter bench soak --minutes $(SOAK_MINUTES)
+
+# Each named fix undone in turn, its tests run and expected to fail, the file restored
+# (scripts/mutate.py lists them; `make mutate MUTATIONS="name ..."` runs some). About 4 minutes.
+MUTATIONS ?=
+mutate: $(STAMP)
+	$(BIN)/python scripts/mutate.py $(MUTATIONS)
 
 # The GPU check's rehearsal (README, "GPU check"): the device run, on a CPU build of the same trimmed
 # llama.cpp tree in a device-like Python, plus the size check of what the device call carries.

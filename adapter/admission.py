@@ -5,13 +5,15 @@ timeouts. A request takes a slot (``max_in_flight``) or waits in a FIFO (``max_q
 ``queue_timeout_s``); beyond that it is refused at once with ``ServerBusy`` (503 + Retry-After).
 
 A client that goes away while waiting leaves the queue. A client that goes away while its work is
-computing frees its slot only when that work really ends: the thread cannot be interrupted, and
-freeing the slot early would let the next request pile up behind the model's lock.
+computing frees its slot when that work really ends (freeing it early would let the next request
+pile up behind the model's lock), which is soon: the slot's ``cancel`` flag is set, and the engine
+stops at its next decision or ``llama_decode`` boundary (``arbiter.engine.budget``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
@@ -23,10 +25,13 @@ T = TypeVar("T")
 
 
 class Slot:
-    """A held in-flight slot; blocking work started through it keeps the slot until it ends."""
+    """A held in-flight slot; blocking work started through it keeps the slot until it ends.
+    ``cancel`` is set when the holder leaves while that work still runs (its client went away):
+    the work passes it to the engine (``Budget.cancel``), which stops at its next boundary."""
 
     def __init__(self) -> None:
         self.pending: list[asyncio.Future[Any]] = []
+        self.cancel = threading.Event()
 
     def start(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Run ``fn`` in a thread (``asyncio.to_thread``: log context carries over)."""
@@ -56,6 +61,7 @@ class Admission:
         queue_timeout_s: float,
         retry_after_s: int = 1,
         on_reject: Callable[[str], None] | None = None,
+        on_cancel: Callable[[str], None] | None = None,
     ) -> None:
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
@@ -64,6 +70,7 @@ class Admission:
         self.in_flight = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._on_reject = on_reject
+        self._on_cancel = on_cancel
 
     @property
     def queued(self) -> int:
@@ -82,7 +89,10 @@ class Admission:
         finally:
             running = [f for f in slot.pending if not f.done()]
             if running:
-                # Freed when the last piece of work started under this slot finishes.
+                # Abandoned: told to stop, and freed when the last piece of work started under
+                # this slot finishes.
+                slot.cancel.set()
+                self._cancelled("computing")
                 remaining = len(running)
 
                 def done(_: asyncio.Future[Any]) -> None:
@@ -125,6 +135,7 @@ class Admission:
                     "(ARBITER_QUEUE_TIMEOUT_S); retry later",
                     retry_after=self.retry_after_s,
                 ) from None
+            self._cancelled("queued")
             raise
 
     def _discard(self, waiter: asyncio.Future[None]) -> None:
@@ -143,3 +154,7 @@ class Admission:
     def _reject(self, reason: str) -> None:
         if self._on_reject is not None:
             self._on_reject(reason)
+
+    def _cancelled(self, stage: str) -> None:
+        if self._on_cancel is not None:
+            self._on_cancel(stage)

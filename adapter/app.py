@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from adapter import chat, execution, invocations, middleware, openapi, systemone
+from adapter import chat, execution, invocations, middleware, openapi, systemone, text_completions
 from adapter.admission import Admission
 from adapter.metrics import Metrics
 from adapter.state import CLOSE_ENGINE, STATE, EngineHolder, State
@@ -107,6 +107,7 @@ ROUTES = (
     Route("POST", "/invocations", invocations.invocations, invocations.OPERATION),
     Route("GET", "/execution-parameters", execution.execution_parameters, execution.OPERATION),
     Route("POST", "/v1/chat/completions", chat.chat_completions, chat.OPERATION),
+    Route("POST", "/v1/completions", text_completions.completions, text_completions.OPERATION),
     Route("GET", "/v1/models", models, MODELS),
     Route("GET", "/metrics", metrics, METRICS),
     Route("GET", "/openapi.json", api_document, API_DOCUMENT),
@@ -135,12 +136,15 @@ def create_app(
         settings.queue_timeout_s,
         settings.retry_after_s,
         on_reject=lambda reason: app_metrics.rejected.labels(reason).inc(),
+        on_cancel=lambda stage: app_metrics.cancelled.labels(stage).inc(),
     )
     app_metrics.in_flight.set_function(lambda: admission.in_flight)
     app_metrics.queued.set_function(lambda: admission.queued)
+    holder = EngineHolder(engine_factory)
+    app_metrics.prefix_cache_bytes.set_function(lambda: _cache_bytes(holder))
     state = State(
         settings=settings,
-        holder=EngineHolder(engine_factory),
+        holder=holder,
         admission=admission,
         metrics=app_metrics,
         openapi=openapi.PATH.read_bytes(),
@@ -160,6 +164,11 @@ def create_app(
         else:
             app.router.add_route(route.method, route.path, route.handler)
     return app
+
+
+def _cache_bytes(holder: EngineHolder) -> float:
+    cache = getattr(holder.engine, "cache", None)  # a fake engine may have none
+    return float(cache.bytes_used) if cache is not None else 0.0
 
 
 async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:

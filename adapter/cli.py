@@ -39,7 +39,11 @@ def register(sub: Subcommands) -> None:
     serve = sub.add_parser(
         "serve", help="run the HTTP server (SageMaker /ping + /invocations, chat, metrics)"
     )
-    serve.add_argument("--host", default=None, help="interface (default ARBITER_HOST or 0.0.0.0)")
+    serve.add_argument(
+        "--host",
+        default=None,
+        help="interface (default ARBITER_HOST, else 127.0.0.1; the container sets 0.0.0.0)",
+    )
     serve.add_argument("--port", type=int, default=None, help="port (default: env, else 8080)")
     serve.add_argument("--model", type=Path, default=None, help="a .gguf (else ARBITER_MODEL...)")
     serve.set_defaults(func=cmd_serve)

@@ -11,7 +11,10 @@ Before the exec, in this order, each failure a one-line reason on stderr and exi
 1. the settings are read as ``arbiter`` will read them (``ARBITER_*``, ``SM_LLAMA_CPP_*``; a model hub
    flag is refused);
 2. the image default for GPU layers is applied (``ARBITER_IMAGE_N_GPU_LAYERS``: ``-1`` in the CUDA
-   image, ``0`` in the CPU image) unless the deployment set the layers itself;
+   image, ``0`` in the CPU image) unless the deployment set the layers itself, and `serve` listens
+   on every interface (``ARBITER_HOST=0.0.0.0``, which SageMaker needs: it reaches the container
+   from outside) unless the deployment named one; outside a container `arbiter serve` listens on
+   127.0.0.1;
 3. a GPU layer count on a llama.cpp build without a GPU backend is refused;
 4. when ``ARBITER_MODEL_DATA_URL`` names an ``s3://`` archive and no GGUF is in the model dir, the
    archive is downloaded and unpacked there (SageMaker does this itself from ``ModelDataUrl``; ECS
@@ -19,6 +22,10 @@ Before the exec, in this order, each failure a one-line reason on stderr and exi
 5. the model is resolved exactly as the engine resolves it, and its sha256 checked against the
    ``model-manifest.json`` beside it; a path that cannot be written or read (a read-only root
    filesystem, a model dir without permission) is named in the reason, never a traceback.
+6. the prompt profile (``ARBITER_PROMPT_PROFILE``, or the manifest's) is parsed and checked, and a
+   profile's own labels tokenized in the model's vocabulary (a vocabulary-only load, no weights);
+   each LoRA adapter (``ARBITER_LORA``, ``SM_LLAMA_CPP_LORA``, or the manifest's) is checked against
+   the model's tensors and its sha256 against the manifest.
 
 The report line it logs names the ggml CPU variant that llama.cpp loaded for this CPU (the CPU image
 carries one per x86 feature level; ``ggml_cpu_variant``).
@@ -60,6 +67,12 @@ def apply_image_defaults(env: MutableMapping[str, str], image_n_gpu_layers: int 
         if value is not None and value.strip().lower() != "auto":
             return
     env["ARBITER_N_GPU_LAYERS"] = str(image_n_gpu_layers)
+
+
+def apply_serve_defaults(env: MutableMapping[str, str], command: str) -> None:
+    """A container's server listens on every interface unless ``ARBITER_HOST`` says otherwise."""
+    if command == "serve":
+        env.setdefault("ARBITER_HOST", "0.0.0.0")
 
 
 def _unusable_path(exc: OSError) -> str:
@@ -133,10 +146,14 @@ def preflight(
     """Everything checked before the exec, on ``os.environ`` (which the exec passes on, image
     defaults applied); returns what was found, logged as one JSON line."""
     from arbiter.engine.backends import load_backends, route_llama_logs
+    from arbiter.engine.prompting import check_prompts
+    from arbiter.lora import resolve_adapters
     from arbiter.models import _find_in_dir, resolve_model, verify
+    from arbiter.profiles import DEFAULT_PROFILE, resolve_profile
     from arbiter.settings import from_environment
 
     apply_image_defaults(os.environ, settings.image_n_gpu_layers)
+    apply_serve_defaults(os.environ, command)
     route_llama_logs()  # the report below names the CPU variant; ggml's own line would be a second
     try:
         engine, server, unknown = from_environment()
@@ -155,6 +172,12 @@ def preflight(
             )
         resolved = resolve_model(engine.model, engine.model_dir)
         sha256 = verify(resolved) if settings.preflight_sha256 else None
+        # The prompt profile, and a profile's own labels against the model's vocabulary (no
+        # weights loaded; the built-in's letters are checked by the engine's load as before).
+        profile = resolve_profile(engine.prompt_profile, resolved)
+        if profile.source != f"builtin:{DEFAULT_PROFILE}":
+            check_prompts(resolved.path, engine, profile)
+        adapters = resolve_adapters(engine.lora, resolved, engine.model_dir)
     except ModelLoadError as exc:
         raise Refused(exc.message) from exc
     except OSError as exc:
@@ -166,10 +189,14 @@ def preflight(
         "model_source": resolved.source,
         "manifest": resolved.expected_sha256 is not None,
         "sha256": sha256,
+        "prompt_profile": profile.name,
+        "prompt_profile_sha256": profile.sha256,
+        "lora": [{"file": str(a.path), "sha256": a.sha256, "scale": a.scale} for a in adapters],
         "n_gpu_layers": engine.n_gpu_layers,
         "ggml_backends": backends.count,
         "ggml_cpu_variant": backends.cpu_variant,
         "max_in_flight": server.max_in_flight,
+        "host": server.host if command == "serve" else None,
         "fetched": fetched,
         "unknown_sm_settings": unknown,
     }

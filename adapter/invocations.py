@@ -9,7 +9,8 @@ from typing import Any
 
 from aiohttp import web
 
-from adapter import chat, jsonlines, systemone
+from adapter import budgets, chat, jsonlines, systemone
+from adapter.admission import Slot
 from adapter.bodies import JSONL_TYPES, json_body
 from adapter.openapi import (
     CUSTOM_ATTRIBUTES_HEADER,
@@ -103,16 +104,19 @@ async def _single(request: web.Request, state: State, raw: dict[str, Any]) -> we
     decision = validate_decision(raw["decision"], "decision")
     engine = state.holder.require()
     request[REQUEST_LOG].decisions = 1
+    refused = budgets.screen(state.settings, engine, [decision])[0]  # before it takes a slot
+    if refused is not None:
+        raise refused.with_param_prefix("decision")
 
-    def work() -> tuple[Outcome, bytes]:
-        outcome = engine.score([decision])[0]
+    def work(slot: Slot) -> tuple[Outcome, bytes]:
+        outcome = engine.score([decision], budgets.limits(state.settings, engine, slot))[0]
         state.metrics.observe_decision(outcome)
         if isinstance(outcome, ArbiterError):
             return outcome, b""
         return outcome, jsonio.dumps({"result": outcome.model_dump()})
 
     async with state.admission.slot() as slot:
-        outcome, body = await slot.run(work)
+        outcome, body = await slot.run(work, slot)
     if isinstance(outcome, ArbiterError):
         raise outcome.with_param_prefix("decision")
     request[REQUEST_LOG].tokens = outcome.prompt.input_tokens
@@ -147,17 +151,20 @@ async def _many(request: web.Request, state: State, raw: dict[str, Any]) -> web.
     )
     engine = state.holder.require()
     request[REQUEST_LOG].decisions = len(decisions)
+    refused = budgets.screen(state.settings, engine, decisions)  # before it takes a slot
+    if refused[0] is not None and all(error is not None for error in refused):
+        raise refused[0].with_param_prefix("decisions.0")
 
-    def work() -> tuple[list[Outcome], float]:
+    def work(slot: Slot) -> tuple[list[Outcome], float]:
         started = time.perf_counter()
-        outcomes = engine.score(decisions)
+        outcomes = engine.score(decisions, budgets.limits(state.settings, engine, slot))
         for outcome in outcomes:
             state.metrics.observe_decision(outcome)
         return outcomes, time.perf_counter() - started
 
     async with state.admission.slot() as slot:
         admitted = time.perf_counter()
-        outcomes, engine_s = await slot.run(work)
+        outcomes, engine_s = await slot.run(work, slot)
     failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, ArbiterError)]
     if len(failed) == len(outcomes):
         index, first = failed[0]

@@ -14,14 +14,16 @@ from aiohttp import web
 
 from adapter.admission import Admission
 from adapter.bodies import iter_lines
+from adapter.budgets import Cancellable
 from adapter.metrics import Metrics
 from adapter.state import REQUEST_LOG, RequestLog, State
 from adapter.streaming import OPEN_STREAM, OpenStream
 from arbiter import jsonio
-from arbiter.engine import Engine
+from arbiter.engine import Budget, Engine
 from arbiter.errors import ArbiterError, EngineFailure, PayloadTooLarge, RequestTimeout, ServerBusy
 from arbiter.lines import score_lines
 from arbiter.logging import get_logger
+from arbiter.scorer import Scorer
 from arbiter.settings import MB, ServerSettings
 
 Batch = list[tuple[int, bytes | ArbiterError]]
@@ -32,7 +34,7 @@ def error_record(number: int, error: ArbiterError) -> bytes:
     return jsonio.dumps({"line": number, "id": None, "error": error.to_dict()}) + b"\n"
 
 
-def score_chunk(engine: Engine, metrics: Metrics, batch: Batch) -> tuple[bytes, int, int]:
+def score_chunk(engine: Scorer, metrics: Metrics, batch: Batch) -> tuple[bytes, int, int]:
     """Score and serialize one chunk of lines: one output line per input line, whatever happens."""
     try:
         records = score_lines(engine, list(batch), metrics.observe_decision)
@@ -122,12 +124,23 @@ class LinesResponse:
         started = self.response.prepared
         try:
             async with self.admission.slot(admitted=started) as slot:
-                body, count, tokens = await slot.run(score_chunk, self.engine, self.metrics, batch)
+                # Each line is bounded by the context; the chunk stops if its client goes away.
+                engine = Cancellable(self.engine, Budget(cancel=slot.cancel))
+                body, count, tokens = await slot.run(score_chunk, engine, self.metrics, batch)
         except ServerBusy as exc:
             if not started:
                 raise
             body = b"".join(error_record(n, exc) for n, _ in batch)
             count, tokens = len(batch), 0
+        except Exception:
+            if not started:
+                raise
+            # A fault outside the chunk's scoring, once lines were sent: the chunk's lines say
+            # so one by one (they were read), then the error middleware ends the stream with
+            # the record for the next line (``adapter.streaming``).
+            failure = ArbiterError("internal error while this chunk was scored; see the log")
+            await self.response.write(b"".join(error_record(n, failure) for n, _ in batch))
+            raise
         self.info.decisions += count
         self.info.tokens += tokens
         if not self.response.prepared:

@@ -75,6 +75,18 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.cancelled = Counter(
+            "arbiter_cancelled",
+            "Requests whose client went away, by stage: queued (left the queue) or computing "
+            "(its work stopped at the next decision or decode boundary).",
+            ["stage"],
+            registry=r,
+        )
+        self.prefix_cache_bytes = Gauge(
+            "arbiter_prefix_cache_bytes",
+            "Bytes of saved state prefixes held (at most ARBITER_PREFIX_CACHE_MB).",
+            registry=r,
+        )
         self.model_ready = Gauge("arbiter_model_ready", "1 once the model is loaded.", registry=r)
         self.model = Info("arbiter_model", "The served model.", registry=r)
 
@@ -90,5 +102,8 @@ class Metrics:
             self.decisions.labels(getattr(outcome, "code", "internal_error")).inc()
 
     def set_model(self, info: ModelInfo) -> None:
-        self.model.info({k: str(v) for k, v in info.model_dump().items()})
+        labels = {k: str(v) for k, v in info.model_dump(exclude={"adapters"}).items()}
+        # LoRA adapters as one label: file:sha256:scale, comma-separated ("" for none).
+        labels["lora"] = ",".join(f"{a.file}:{a.sha256}:{a.scale:g}" for a in info.adapters)
+        self.model.info(labels)
         self.model_ready.set(1)

@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from adapter.state import REQUEST_LOG, STATE, RequestLog, State
-from adapter.streaming import OPEN_STREAM
+from adapter.streaming import OPEN_STREAM, OpenStream
 from arbiter.errors import (
     ArbiterError,
     MalformedRequest,
@@ -123,6 +123,15 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except asyncio.CancelledError:
         _finish(state, info, route, 499, started, "client_gone")
         raise
+    except ConnectionResetError:
+        # A write into a stream whose client went away: theirs, not an internal error (the work
+        # stops with its slot, ``adapter.admission``).
+        _finish(state, info, route, 499, started, "client_gone")
+        open_stream: OpenStream | None = request.get(OPEN_STREAM)
+        if open_stream is None or not open_stream.response.prepared:
+            raise
+        open_stream.closed = True
+        return open_stream.response
     except Exception as exc:
         error = _as_error(exc)
         info.extra["error"] = error.code

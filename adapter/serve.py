@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import signal
 import sys
 from pathlib import Path
@@ -30,6 +31,11 @@ def serve(host: str | None = None, port: int | None = None, model: Path | None =
         engine_settings = engine_settings.model_copy(update={"model": model})
     configure(json=server_settings.log_json, level=server_settings.log_level)
     log = get_logger("arbiter.serve")
+    from arbiter import memory
+
+    allocator = memory.tune()  # before any thread: freed large buffers go back to the system
+    if allocator:
+        log.info("allocator_tuned", **{k.lower().strip("_"): v for k, v in allocator.items()})
     if unknown:
         log.warning(
             "sm_llama_cpp_ignored",
@@ -37,6 +43,35 @@ def serve(host: str | None = None, port: int | None = None, model: Path | None =
             note="these llama-server flags have no meaning in Arbiter and are ignored",
         )
     return asyncio.run(_serve(server_settings, engine_settings, log))
+
+
+def listening(settings: ServerSettings) -> tuple[str, str]:
+    """Who can reach the server, and what guards it: the start-up line says both."""
+    host = settings.host
+    if host in ("", "0.0.0.0", "::"):
+        where = "every interface (other machines can reach it)"
+    elif host == "localhost" or _is_loopback(host):
+        where = "loopback only (this machine); set ARBITER_HOST=0.0.0.0 to serve others"
+    else:
+        where = f"the interface {host}"
+    if not settings.api_key:
+        guard = "no API key: whoever reaches it can compute (set ARBITER_API_KEY)"
+    elif settings.api_key_exempt_invocations:
+        guard = "ARBITER_API_KEY guards /v1/*; /invocations is left to SageMaker's IAM"
+    else:
+        guard = "ARBITER_API_KEY guards /invocations and /v1/*"
+    return where, guard
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 async def _serve(
@@ -54,10 +89,15 @@ async def _serve(
     await runner.setup()
     site = web.TCPSite(runner, server_settings.host, server_settings.port)
     await site.start()
-    log.info(
+    where, guard = listening(server_settings)
+    exposed = not server_settings.api_key and not where.startswith("loopback")
+    (log.warning if exposed else log.info)(
         "listening",
+        url=f"http://{_url_host(server_settings.host)}:{server_settings.port}",
         host=server_settings.host,
         port=server_settings.port,
+        reach=where,
+        api_key=guard,
         max_in_flight=server_settings.max_in_flight,
         max_queue=server_settings.max_queue,
     )

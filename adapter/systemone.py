@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, Field
 
+from adapter import budgets
 from adapter.bodies import read_json
 from adapter.openapi import JSON, DetailMessage, HTTPValidationError, Operation
 from adapter.state import REQUEST_LOG, STATE, State
@@ -85,8 +86,10 @@ async def respond(request: web.Request, state: State, raw: Any) -> web.Response:
     model_id = served_model_id(engine)
     systemone.check_model(parsed.model, model_id)
     decisions = systemone.to_decisions(parsed)
+    systemone.refuse(parsed, budgets.screen(state.settings, engine, decisions))  # before a slot
     async with state.admission.slot() as slot:
-        outcomes: list[Outcome] = await slot.run(engine.score, decisions)
+        budget = budgets.limits(state.settings, engine, slot)
+        outcomes: list[Outcome] = await slot.run(engine.score, decisions, budget)
     body = systemone.assemble(parsed, outcomes, model_id)
     request[REQUEST_LOG].decisions = len(decisions)
     request[REQUEST_LOG].tokens = body["usage"]["input_tokens"]

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 # Subcommand -> the module whose ``register`` adds it (with its siblings).
 COMMANDS = {
     "decide": "arbiter.decide",
+    "prompt": "arbiter.show_prompt",
     "serve": "adapter.cli",
     "entrypoint": "adapter.cli",
     "openapi": "adapter.cli",
@@ -25,6 +26,8 @@ COMMANDS = {
     "bench": "bench.cli",
     "package-model": "infra.cli",
     "deploy": "infra.cli",
+    "runtime": "emulator.cli",
+    "transform": "emulator.cli",
 }
 
 

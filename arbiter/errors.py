@@ -61,6 +61,12 @@ class ContextLengthExceeded(InvalidDecision):
     code = "context_length_exceeded"
 
 
+class TimeBudgetExceeded(InvalidDecision):
+    """The request's work would take, or took, longer than ``ARBITER_MAX_REQUEST_SECONDS``."""
+
+    code = "request_time_budget_exceeded"
+
+
 class UnsafeText(InvalidDecision):
     code = "control_token_in_text"
 
@@ -91,6 +97,22 @@ class PayloadTooLarge(ArbiterError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class TokenBudgetExceeded(PayloadTooLarge):
+    """The request's prompt tokens are over ``ARBITER_MAX_REQUEST_TOKENS`` (refused before the
+    engine decodes any of them)."""
+
+    code = "request_token_budget_exceeded"
+
+
+class RequestCancelled(ArbiterError):
+    """The client went away: its work stopped at the next decision or decode boundary. Nobody
+    reads this answer; it ends the engine call (one decision's error would not)."""
+
+    status = 499
+    type = "client_closed_request"
+    code = "request_cancelled"
 
 
 class RequestTimeout(ArbiterError):
@@ -158,3 +180,15 @@ class UnsupportedSetting(ModelLoadError):
     """A configuration the container refuses at start-up (e.g. a model hub download)."""
 
     code = "unsupported_setting"
+
+
+class UnsupportedParameter(InvalidDecision):
+    """A request parameter Arbiter does not honour (``param`` names it): refused, never ignored."""
+
+    code = "unsupported_parameter"
+
+
+class InvalidGrammar(InvalidDecision):
+    """A ``grammar``, ``json_schema`` or ``response_format`` that cannot constrain generation."""
+
+    code = "invalid_grammar"

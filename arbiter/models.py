@@ -16,6 +16,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from arbiter.errors import ManifestMismatch, ModelLoadError
 
@@ -27,10 +28,21 @@ _BLOCK = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
+class Attachment:
+    """A file a manifest packs beside the GGUF (a prompt profile, a LoRA adapter), and its sha256."""
+
+    path: Path
+    sha256: str
+    scale: float = 1.0  # an adapter's scale
+
+
+@dataclass(frozen=True)
 class ResolvedModel:
     path: Path
     source: str  # "env" | "model_dir" | "bundled"
     expected_sha256: str | None  # from a manifest or the bundled package; checked at load
+    profile: Attachment | None = None  # the manifest's prompt profile
+    loras: tuple[Attachment, ...] = ()  # the manifest's adapters
 
 
 def sha256_file(path: Path) -> str:
@@ -49,6 +61,41 @@ def _find_in_dir(model_dir: Path) -> Path | None:
         if found:
             return found[0]
     return None
+
+
+def _attachment(manifest: Path, entry: Any, what: str) -> Attachment:
+    """One ``{"file", "sha256"[, "scale"]}`` entry, its file beside the manifest."""
+    try:
+        name, sha256 = entry["file"], entry["sha256"]
+        scale = float(entry.get("scale", 1.0))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ModelLoadError(f"{manifest}: {what} is not a valid entry: {exc}") from exc
+    if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+        raise ModelLoadError(f"{manifest}: {what}.file must be a file name beside the manifest")
+    if not isinstance(sha256, str) or len(sha256) != 64:
+        raise ModelLoadError(f"{manifest}: {what}.sha256 must be 64 hex characters")
+    return Attachment(manifest.parent / name, sha256.lower(), scale)
+
+
+def read_manifest_attachments(gguf: Path) -> tuple[Attachment | None, tuple[Attachment, ...]]:
+    """The prompt profile and the LoRA adapters a manifest beside the GGUF packs, if any."""
+    manifest = gguf.parent / MANIFEST_NAME
+    if not manifest.is_file():
+        return None, ()
+    try:
+        data = json.loads(manifest.read_text())
+    except ValueError as exc:
+        raise ModelLoadError(f"{manifest} is not a valid model manifest: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{manifest} is not a valid model manifest: not an object")
+    profile = data.get("profile")
+    loras = data.get("lora") or []
+    if not isinstance(loras, list):
+        raise ModelLoadError(f"{manifest}: lora must be a list of adapters")
+    return (
+        _attachment(manifest, profile, "profile") if profile is not None else None,
+        tuple(_attachment(manifest, entry, f"lora.{i}") for i, entry in enumerate(loras)),
+    )
 
 
 def read_manifest_sha256(gguf: Path) -> str | None:
@@ -105,11 +152,31 @@ def resolve_model(model: Path | None, model_dir: Path) -> ResolvedModel:
         path = Path(model)
         if not path.is_file():
             raise ModelLoadError(f"ARBITER_MODEL={path} does not exist or is not a file")
-        return ResolvedModel(path, "env", read_manifest_sha256(path))
+        return ResolvedModel(
+            path, "env", read_manifest_sha256(path), *read_manifest_attachments(path)
+        )
     found = _find_in_dir(Path(model_dir))
     if found is not None:
-        return ResolvedModel(found, "model_dir", read_manifest_sha256(found))
+        sha256 = read_manifest_sha256(found)
+        return ResolvedModel(found, "model_dir", sha256, *read_manifest_attachments(found))
     return bundled_model()
+
+
+def verify_attachment(attachment: Attachment, what: str) -> str:
+    """An attachment's sha256, refused when it differs from what its manifest promised."""
+    try:
+        actual = sha256_file(attachment.path)
+    except OSError as exc:
+        raise ModelLoadError(
+            f"refusing to start: the manifest's {what} {attachment.path} cannot be read "
+            f"({exc.strerror or exc})"
+        ) from None
+    if actual != attachment.sha256:
+        raise ManifestMismatch(
+            f"refusing to start: {attachment.path} has sha256 {actual}, but its manifest expects "
+            f"{attachment.sha256}. The {what} is corrupt or not the one that was packaged."
+        )
+    return actual
 
 
 def verify(resolved: ResolvedModel) -> str:

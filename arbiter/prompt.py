@@ -9,29 +9,20 @@ with the state, so every decision over one state shares a token prefix (see ``en
 
 from __future__ import annotations
 
-import functools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import date, datetime, time
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from arbiter import templates
 from arbiter.errors import InvalidDecision
+from arbiter.profiles import Profile, load_profile
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-PROMPT_VERSION = "arbiter-letters-v1"
-# Questions with more options than letters label them with codes (``engine.labels``): the options
-# and the reply line change, the instruction and the state prefix do not (so they share a prefix).
-CODES_VERSION = "arbiter-codes-v1"
-
-INSTRUCTION = (
-    "You are a careful decision maker. Read the state, then answer the question by choosing "
-    "exactly one of the lettered options. Reply with the option's letter only."
-)
-
 _SENTINEL = "\u0000ARBITER_CONTENT\u0000"
 
 
@@ -45,12 +36,16 @@ class PromptLayout:
     answer_cue: str
     version: str
     chat: bool
+    profile: Profile
+    codes: bool  # for questions labelled with codes
+    closed_block: str | None = None  # a reasoning block Arbiter closed after the template's prompt
 
 
 @dataclass(frozen=True)
 class RenderedContent:
     text: str
     state_end: int  # characters of ``text`` that belong to the shared state prefix
+    layout: PromptLayout  # the layout around it (the letters' or the codes')
 
 
 def state_text(state: Any) -> str:
@@ -60,69 +55,82 @@ def state_text(state: Any) -> str:
     return json.dumps(state, ensure_ascii=False, allow_nan=False)
 
 
-def plain_layout() -> PromptLayout:
+def plain_layout(profile: Profile, codes: bool = False) -> PromptLayout:
+    """A prompt for a model without a chat template: the instruction, the content, the cue."""
     return PromptLayout(
         head="",
         tail="",
-        content_preamble=INSTRUCTION + "\n\n",
-        # Measured on examples/labeled.jsonl with the default (base) model: this cue puts about
-        # twice the probability mass on the letters that a bare "Answer:" does.
-        answer_cue="\n\nAnswer: The answer is",
-        version=f"{PROMPT_VERSION}/plain",
+        content_preamble=profile.instruction(codes) + "\n\n",
+        answer_cue=profile.spec.answer_cue.plain,
+        version=f"{profile.codes_name if codes else profile.name}/plain",
         chat=False,
+        profile=profile,
+        codes=codes,
     )
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+def prompt_time(pinned: date | None) -> datetime:
+    """When a decision prompt says it is: the pinned day (midnight), else now (at load)."""
+    return datetime.combine(pinned, time()) if pinned is not None else datetime.now()
 
 
-@functools.lru_cache(maxsize=4)
-def compile_template(template: str) -> jinja2.Template:
-    """A model's chat template, compiled in jinja's immutable sandbox (as llama.cpp's server
-    renders it): a template can read what it is given and nothing else."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise_exception
-    return env.from_string(template)
+def chat_layout(
+    template: str,
+    bos_token: str,
+    eos_token: str,
+    now: datetime | None = None,
+    profile: Profile | None = None,
+    codes: bool = False,
+) -> PromptLayout:
+    """Render the model's own chat template once, around a sentinel that marks the content.
 
-
-def chat_layout(template: str, bos_token: str, eos_token: str) -> PromptLayout:
-    """Render the model's own chat template once, around a sentinel that marks the content."""
-    compiled = compile_template(template)
+    Rendered for a decision (``templates.decision_kwargs``: no thinking, no tools, the date of
+    ``now``), and closed after any reasoning block the generation prompt leaves open
+    (``templates.close_reasoning``), so the labels are read where the model writes its answer.
+    The profile's chat answer cue comes after that.
+    """
+    profile = profile or load_profile(None)
+    instruction = profile.instruction(codes)
 
     def render(messages: list[dict[str, str]]) -> str:
-        return compiled.render(
-            messages=messages,
-            add_generation_prompt=True,
+        return templates.render(
+            template,
+            messages,
             bos_token=bos_token,
             eos_token=eos_token,
+            now=now,
+            kwargs=templates.decision_kwargs(template),
         )
 
     preamble = ""
     try:
         text = render(
-            [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": _SENTINEL}]
+            [{"role": "system", "content": instruction}, {"role": "user", "content": _SENTINEL}]
         )
     except jinja2.exceptions.TemplateError:
         # Templates without a system role: the instruction goes into the user turn.
         text = render([{"role": "user", "content": _SENTINEL}])
-        preamble = INSTRUCTION + "\n\n"
+        preamble = instruction + "\n\n"
     if text.count(_SENTINEL) != 1:
         raise ValueError("chat template does not place the user content exactly once")
     head, tail = text.split(_SENTINEL)
+    closure = templates.close_reasoning(template, tail)
     return PromptLayout(
         head=head,
-        tail=tail,
+        tail=tail + closure.text + profile.spec.answer_cue.chat,
         content_preamble=preamble,
         answer_cue="",
-        version=f"{PROMPT_VERSION}/chat",
+        version=f"{profile.codes_name if codes else profile.name}/chat",
         chat=True,
+        profile=profile,
+        codes=codes,
+        closed_block=closure.block,
     )
 
 
 def state_prefix(layout: PromptLayout, state: str) -> str:
     """The start of the content that every question about ``state`` shares."""
-    return f"{layout.content_preamble}State:\n{state}\n\n"
+    return layout.content_preamble + layout.profile.state(state)
 
 
 def render_content(
@@ -130,33 +138,48 @@ def render_content(
     state: str,
     question: str,
     descriptions: list[str],
-    labels: list[str] | None = None,
+    labels: list[str],
 ) -> RenderedContent:
     """The caller's part of the prompt: only labels and descriptions, never option ids.
 
-    ``labels`` default to the letters; codes (more options than letters) are named by their range
-    in the reply line instead of one by one, which would cost a token or three per option.
+    The profile places them (the built-in lists ``A. ...`` and names codes by their range in the
+    reply line instead of one by one, which would cost a token or three per option).
     """
     prefix = state_prefix(layout, state)
-    labels = labels if labels is not None else list(LETTERS[: len(descriptions)])
-    lines = "\n".join(f"{label}. {text}" for label, text in zip(labels, descriptions, strict=True))
-    if all(len(label) == 1 for label in labels):
-        reply = "Reply with " + ", ".join(labels[:-1]) + " or " + labels[-1]
-    else:
-        reply = f"Reply with one option's code only, from {labels[0]} to {labels[-1]}"
-    body = f"Question: {question}\n\nOptions:\n{lines}\n\n{reply}.{layout.answer_cue}"
-    return RenderedContent(text=prefix + body, state_end=len(prefix))
+    body = layout.profile.question(question, descriptions, labels, layout.codes)
+    return RenderedContent(
+        text=prefix + body + layout.answer_cue, state_end=len(prefix), layout=layout
+    )
 
 
-def version(layout: PromptLayout, labels: list[str]) -> str:
-    """The prompt version a result reports: the layout's, or its codes variant."""
-    if all(len(label) == 1 for label in labels):
-        return layout.version
-    return layout.version.replace(PROMPT_VERSION, CODES_VERSION, 1)
+def version(layout: PromptLayout) -> str:
+    """The prompt version a result reports: the profile's name (its codes name for codes)."""
+    return layout.version
 
 
-def full_text(layout: PromptLayout, content: RenderedContent) -> str:
-    return layout.head + content.text + layout.tail
+def full_text(content: RenderedContent) -> str:
+    return content.layout.head + content.text + content.layout.tail
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """A model's two prompts: for questions labelled with letters, and with codes."""
+
+    letters: PromptLayout
+    codes: PromptLayout
+
+
+def plain_layouts(profile: Profile) -> Layouts:
+    return Layouts(plain_layout(profile, False), plain_layout(profile, True))
+
+
+def chat_layouts(
+    template: str, bos_token: str, eos_token: str, now: datetime, profile: Profile
+) -> Layouts:
+    return Layouts(
+        chat_layout(template, bos_token, eos_token, now, profile, False),
+        chat_layout(template, bos_token, eos_token, now, profile, True),
+    )
 
 
 # -- chat completions ------------------------------------------------------------------------------
@@ -168,7 +191,11 @@ _MARKS = re.compile("\u0000ARBITER_MESSAGE_([0-9]+)\u0000")
 
 
 def render_chat(
-    messages: Sequence[tuple[str, str]], template: str | None, bos_text: str, eos_text: str
+    messages: Sequence[tuple[str, str]],
+    template: str | None,
+    bos_text: str,
+    eos_text: str,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> Segments:
     """A chat prompt from (role, text) messages, as (text, is_template) segments ending where the
     assistant's reply starts: the model's chat template around the messages, or, for a model
@@ -179,17 +206,21 @@ def render_chat(
     numbered mark; one pass over the rendered text splits it at the marks and checks that every
     message is placed exactly once (linear in the text: a check per message over the whole text
     was quadratic in the number of messages).
+
+    ``template_kwargs`` are the caller's (``enable_thinking``, ``reasoning_effort``, ...): a chat
+    completion keeps the template's own defaults unless the request sets them.
     """
     roles = [("system" if role == "developer" else role) for role, _ in messages]
     if not template:
         lines = [f"{role}: {text.strip()}" for role, (_, text) in zip(roles, messages, strict=True)]
         return [("\n".join(lines) + "\nassistant:", False)]
     try:
-        text = compile_template(template).render(
-            messages=[{"role": r, "content": _MARK.format(i)} for i, r in enumerate(roles)],
-            add_generation_prompt=True,
+        text = templates.render(
+            template,
+            [{"role": r, "content": _MARK.format(i)} for i, r in enumerate(roles)],
             bos_token=bos_text,
             eos_token=eos_text,
+            kwargs=template_kwargs,
         )
     except jinja2.exceptions.TemplateError as exc:
         raise InvalidDecision(

@@ -138,6 +138,11 @@ class PromptInfo(BaseModel):
     version: str
     input_tokens: int
     prefix_tokens: int
+    # The engine always sets both; the defaults keep results written before profiles readable.
+    profile: str = Field(
+        default="arbiter-letters-v1", description="The prompt profile (ARBITER_PROMPT_PROFILE)."
+    )
+    profile_sha256: str | None = Field(default=None, description="sha256 of the profile file.")
 
 
 class Timing(BaseModel):
@@ -145,6 +150,17 @@ class Timing(BaseModel):
     prefill_s: float
     readout_s: float
     total_s: float
+
+
+class AdapterInfo(BaseModel):
+    """A LoRA adapter applied on the served model."""
+
+    model_config = ConfigDict(frozen=True)
+
+    file: str
+    bytes: int
+    sha256: str
+    scale: float
 
 
 class ModelInfo(BaseModel):
@@ -164,6 +180,9 @@ class ModelInfo(BaseModel):
     chat_template: bool
     llama_cpp_python_version: str
     llama_cpp_build: str
+    prompt_profile: str = "arbiter-letters-v1"
+    prompt_profile_sha256: str | None = None  # the engine always sets it
+    adapters: list[AdapterInfo] = Field(default_factory=list, description="LoRA adapters applied.")
 
 
 class DecisionResult(BaseModel):

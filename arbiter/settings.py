@@ -8,6 +8,7 @@ llama.cpp image's ``SM_LLAMA_CPP_*`` flags included; the worker pool's are in ``
 from __future__ import annotations
 
 import os
+from datetime import date
 from pathlib import Path
 
 from pydantic import AliasChoices, Field
@@ -69,13 +70,44 @@ class EngineSettings(BaseSettings):
         ),
     )
 
+    lora: str | None = Field(
+        default=None,
+        description=(
+            "LoRA adapters applied on the model, path[:scale] separated by commas (llama-server's "
+            "--lora-scaled form; scale 1 when omitted; a relative path is in the model dir). Unset: "
+            "the adapters the model's manifest packs."
+        ),
+    )
+    prompt_profile: str | None = Field(
+        default=None,
+        description=(
+            "The prompt profile: a built-in name (arbiter-letters-v1, the default) or the path "
+            "of a profile file (TOML: instruction, layout, labels, answer cue; docs/models.md). "
+            "Unset: the one the model's manifest packs, else the default."
+        ),
+    )
+    prompt_date: date | None = Field(
+        default=None,
+        description=(
+            "The date a chat template's decision prompt reads (Llama 3.x, Mistral Small, gpt-oss "
+            "print today's date), YYYY-MM-DD; unset: the day the model is loaded."
+        ),
+    )
+
 
 class ServerSettings(BaseSettings):
     """How `arbiter serve` listens and how much work it admits (env prefix ``ARBITER_``)."""
 
     model_config = SettingsConfigDict(env_prefix="ARBITER_", extra="ignore", populate_by_name=True)
 
-    host: str = Field(default="0.0.0.0", description="Interface to listen on.")
+    host: str = Field(
+        default="127.0.0.1",
+        description=(
+            "Interface to listen on: loopback unless told otherwise. The container entrypoint "
+            "and SAGEMAKER_BIND_TO_PORT set 0.0.0.0 (SageMaker reaches the container from "
+            "outside it)."
+        ),
+    )
     port: int = Field(
         default=8080,
         ge=1,
@@ -103,6 +135,25 @@ class ServerSettings(BaseSettings):
     )
     max_decisions: int = Field(
         default=256, ge=1, description='Decisions in one {"decisions": [...]} request.'
+    )
+    max_request_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Prompt tokens one request may make the engine decode (each state's shared prefix "
+            "once, every decision's question and options); over it: 413 before the engine runs. "
+            "Unset: 16 contexts shared by the requests in flight (16 x ARBITER_N_CTX / "
+            "ARBITER_MAX_IN_FLIGHT, at least one context). JSON Lines are bounded per line."
+        ),
+    )
+    max_request_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Longest a request may compute (unset: no limit): 422 before the engine runs when its "
+            "tokens would take longer at the measured speed, and the decisions not scored when "
+            "it runs out say so."
+        ),
     )
     jsonl_chunk: int = Field(
         default=16, ge=1, description="JSON Lines records scored per engine call."
@@ -159,6 +210,16 @@ class ServerSettings(BaseSettings):
     )
 
 
+REQUEST_CONTEXTS = 16  # the default token budget: contexts' worth shared by the requests in flight
+
+
+def request_token_limit(settings: ServerSettings, n_ctx: int) -> int:
+    """``ARBITER_MAX_REQUEST_TOKENS``, or its default for a context of ``n_ctx`` tokens."""
+    if settings.max_request_tokens is not None:
+        return settings.max_request_tokens
+    return max(n_ctx, REQUEST_CONTEXTS * n_ctx // settings.max_in_flight)
+
+
 class EntrypointSettings(BaseSettings):
     """What only the container entrypoint reads (env prefix ``ARBITER_``)."""
 
@@ -203,6 +264,9 @@ _SM_ENGINE_FLAGS = {
     **dict.fromkeys(SM_GPU_FLAGS, "n_gpu_layers"),
     "BATCH_SIZE": "n_batch",
     "B": "n_batch",
+    # llama-server's --lora FNAME[,FNAME] and --lora-scaled FNAME:SCALE[,...]: both are adapters.
+    "LORA": "lora",
+    "LORA_SCALED": "lora",
 }
 _SM_SERVER_FLAGS = {"PARALLEL": "max_in_flight", "NP": "max_in_flight"}
 _SM_HUB_FLAGS = {"HF_REPO", "HF_FILE", "HF_TOKEN", "HFR", "HFF", "MODEL_URL", "MU"}
@@ -248,7 +312,11 @@ def from_environment() -> tuple[EngineSettings, ServerSettings, list[str]]:
             continue
         mapped = _sm_value(flag, value)
         if mapped is not None and f"ARBITER_{field.upper()}" not in env:
+            if field == "lora" and field in target:  # --lora and --lora-scaled together
+                mapped = f"{target[field]},{mapped}"
             target[field] = mapped
+    if "SAGEMAKER_BIND_TO_PORT" in env and "ARBITER_HOST" not in env:
+        server_kw["host"] = "0.0.0.0"  # an inference pipeline's container, reached from outside
     server = ServerSettings(**server_kw)  # type: ignore[arg-type]  # strings, validated
     engine = EngineSettings(**engine_kw)  # type: ignore[arg-type]
     if "model" in engine_kw and engine.model is not None and not engine.model.is_absolute():

@@ -8,6 +8,7 @@ SDK validates strictly: every number a float, score keys as strings of integers.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -134,6 +135,30 @@ _DEFAULT_INSTRUCTIONS = {
 }
 
 
+def location(
+    qid: str, question: NoulQuestion | ChoiceQuestion | ScoreQuestion, param: str | None
+) -> list[Any]:
+    """Where a decision's field lives in the System One body: the one ``state`` at the top (there
+    is no ``questions.<id>.state``), a question's ``instructions`` and ``criteria`` (down to the
+    criterion) under its id."""
+    parts = param.split(".") if param else []
+    if not parts:
+        return ["questions", qid]  # not one field's (a time budget spent before it was scored)
+    if parts[0] == "state":
+        return ["state"]
+    if parts[0] == "question":
+        return ["questions", qid, "instructions"]
+    if parts[0] == "options":
+        loc: list[Any] = ["questions", qid, "criteria"]
+        if len(parts) > 1 and parts[1].isdigit():
+            keys = [key for key, _ in _options(question)]
+            index = int(parts[1])
+            if index < len(keys):
+                loc.append(index if isinstance(question, ScoreQuestion) else keys[index])
+        return loc
+    return ["questions", qid, *parts]
+
+
 def to_decisions(request: SystemOneRequest) -> list[DecisionRequest]:
     """One decision per question, in the request's question order; ids are the question ids."""
     decisions = []
@@ -156,9 +181,9 @@ def to_decisions(request: SystemOneRequest) -> list[DecisionRequest]:
             )
         except ValidationError as exc:
             first = exc.errors(include_url=False)[0]
-            field = "instructions" if first["loc"][:1] == ("question",) else "criteria"
+            param = ".".join(str(part) for part in first["loc"])
             raise SystemOneInvalid(
-                [_detail(["questions", qid, field], first["msg"], first["type"])]
+                [_detail(location(qid, question, param), first["msg"], first["type"])]
             ) from exc
     return decisions
 
@@ -190,30 +215,12 @@ def answer(
     }
 
 
-def _field(param: str | None) -> str:
-    """A decision's field as the System One question names it."""
-    if param is None or param == "state":
-        return "state"
-    if param.startswith("options"):
-        return "criteria"
-    return "instructions" if param == "question" else param
-
-
 def assemble(
     request: SystemOneRequest, outcomes: list[DecisionResult | ArbiterError], model_id: str
 ) -> dict[str, Any]:
     """The System One response, or a 422 naming the question a limit refused (a fault on the
     server's side is raised as itself: it is not the caller's to fix)."""
-    for outcome in outcomes:
-        if isinstance(outcome, ArbiterError) and outcome.status >= 500:
-            raise outcome
-    failures = [
-        _detail(["questions", qid, _field(o.param)], o.message)
-        for qid, o in zip(request.questions, outcomes, strict=True)
-        if isinstance(o, ArbiterError)
-    ]
-    if failures:
-        raise SystemOneInvalid(failures)
+    refuse(request, outcomes)
     results = [o for o in outcomes if isinstance(o, DecisionResult)]
     # The state prefix is prefilled once for all questions: count it once.
     prefix = max((r.prompt.prefix_tokens for r in results), default=0)
@@ -226,6 +233,24 @@ def assemble(
         },
         "usage": {"input_tokens": input_tokens, "output_tokens": 0},
     }
+
+
+def refuse(
+    request: SystemOneRequest, outcomes: Sequence[DecisionResult | ArbiterError | None]
+) -> None:
+    """Raise the 422 naming every field a limit refused (None: not refused); a fault on the
+    server's side is raised as itself. A state refused for every question is named once."""
+    for outcome in outcomes:
+        if isinstance(outcome, ArbiterError) and outcome.status >= 500:
+            raise outcome
+    failures: list[dict[str, Any]] = []
+    for (qid, question), o in zip(request.questions.items(), outcomes, strict=True):
+        if isinstance(o, ArbiterError):
+            failure = _detail(location(qid, question, o.param), o.message)
+            if failure not in failures:
+                failures.append(failure)
+    if failures:
+        raise SystemOneInvalid(failures)
 
 
 def check_model(requested: str, served_id: str) -> None:

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from arbiter.engine.sampling import SamplingParams
 from arbiter.prompt import LETTERS
 from arbiter.schema import DecisionRequest
 from bench import typed_gguf_compare
@@ -128,7 +129,7 @@ def decision_vs_generation(engine: Any, requests: list[DecisionRequest]) -> dict
         ours.append(time.perf_counter() - started)
         tokens = engine.prompt_tokens(request)
         started = time.perf_counter()
-        generation = engine.generate(tokens, max_tokens=2, temperature=0.0)
+        generation = engine.generate(tokens, max_tokens=2, sampling=SamplingParams(temperature=0))
         theirs.append(time.perf_counter() - started)
         index = parse_letter(generation.text, len(request.options))
         if index is not None:

@@ -14,11 +14,12 @@ from typing import Any
 
 from bench.common import LABELED
 
-SUITES = ("engine", "models", "http", "worker", "faults", "peers", "all")
+SUITES = ("engine", "models", "http", "worker", "faults", "generation", "abuse", "soak", "peers", "all")
+MODULES = {"soak": "bench.soak"}  # the others are bench/<suite>_bench.py
 
 
 def _run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(f"bench.{args.suite}_bench")
+    module = importlib.import_module(MODULES.get(args.suite, f"bench.{args.suite}_bench"))
     return int(module.main(args))
 
 
@@ -32,6 +33,15 @@ def register(sub: Any) -> None:
     engine.add_argument("--repeats", type=int, default=5)
     engine.add_argument(
         "--long-prompt", type=int, default=0, metavar="N", help="add a ~N-token single-decision row"
+    )
+    engine.add_argument(
+        "--lora",
+        default=None,
+        metavar="SPEC",
+        help="add the adapter rows: an ARBITER_LORA value (path[:scale],...) or 'random'",
+    )
+    engine.add_argument(
+        "--adapter-only", action="store_true", help="with --lora: only the adapter rows"
     )
 
     models = suites.add_parser("models", help="compare the bundled candidate models")
@@ -75,6 +85,47 @@ def register(sub: Any) -> None:
     )
     faults.add_argument("--lines", type=int, default=60)
     faults.add_argument("--questions", type=int, default=10)
+
+    generation = suites.add_parser(
+        "generation",
+        help="chat generation per token: sampler chain, logprobs, JSON grammar, n choices vs greedy",
+    )
+    generation.add_argument("--model", type=Path, default=None, help="else both bundled models")
+    generation.add_argument("--tokens", type=int, default=48, help="tokens per generation")
+    generation.add_argument("--repeats", type=int, default=3)
+    generation.add_argument("--threads", type=int, default=None, help="else ARBITER_N_THREADS")
+    generation.add_argument("--json", action="store_true", help="print JSON")
+
+    abuse = suites.add_parser(
+        "abuse", help="what 5 MB chats, 5 MB states and abandoned requests cost the others"
+    )
+    abuse.add_argument("--model", type=Path, default=None)
+    abuse.add_argument("--repeats", type=int, default=15, help="decisions per latency sample")
+    abuse.add_argument("--chats", type=int, default=5, help="clients posting 5 MB chat messages")
+    abuse.add_argument("--disconnect-after-s", type=float, default=3.0)
+    abuse.add_argument("--json", action="store_true", help="print JSON")
+
+    soak = suites.add_parser(
+        "soak", help="mixed and hostile traffic for minutes: RSS, fds, latency, every status"
+    )
+    soak.add_argument("--model", type=Path, default=None)
+    soak.add_argument("--minutes", type=float, default=2.0)
+    soak.add_argument("--clients", type=int, default=4)
+    soak.add_argument("--states", type=int, default=300, help="distinct states (the cache churns)")
+    soak.add_argument("--prefix-cache-mb", type=float, default=32.0)
+    soak.add_argument("--sample-s", type=float, default=3.0, help="RSS and fd sampling period")
+    soak.add_argument(
+        "--max-growth-mb-per-1k",
+        type=float,
+        default=8.0,
+        help="fail when RSS grows more than this per 1,000 requests after warm-up",
+    )
+    soak.add_argument(
+        "--max-growth-mb", type=float, default=16.0, help="the growth always allowed (short runs)"
+    )
+    soak.add_argument("--max-fd-growth", type=int, default=8)
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--json", action="store_true", help="print JSON (last line: the summary)")
 
     peers = suites.add_parser(
         "peers", help="Arbiter vs llama.cpp's own C++ server (built here), paired on the same tokens"

@@ -9,7 +9,10 @@ the two interleaved, because these machines are noisy:
    floor(prefix) + the floors of the 8 suffixes;
 3. peak RSS vs GGUF size + KV cache + 400 MB;
 4. many options (``bench.many_options``): 26 options (letters) and 60 (codes) on one state, each
-   vs the floor of its own prompt tokens, and the label decode's share of it; one 255-option row.
+   vs the floor of its own prompt tokens, and the label decode's share of it; one 255-option row;
+5. with ``--lora SPEC`` (or ``--lora random``: a seeded rank-8 adapter on every block's attention
+   projections): a single decision with the adapter vs the same engine with it off (scale 0, the
+   base model's numbers), and vs the floor of the same prompt with the adapter applied.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import resource
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from arbiter.engine import Engine, open_engine
@@ -47,6 +51,54 @@ def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
         "engine_p50_ms": 1000 * ours_p50,
         "floor_p50_ms": 1000 * floor_p50,
         "ratio": ours_p50 / floor_p50,
+    }
+
+
+def _timed_single(engine: Engine, seed: int, target: int) -> tuple[float, float, int]:
+    """One cold decision and the floor of its prompt: (engine_s, floor_s, prompt tokens)."""
+    request = case_decision(seed, sized_state(engine, seed, target))
+    tokens = engine.prompt_tokens(request)
+    _, floor_s = plain_pass(engine, tokens)
+    started = time.perf_counter()
+    outcome = engine.score([request])[0]
+    elapsed = time.perf_counter() - started
+    assert not isinstance(outcome, Exception), outcome
+    return elapsed, floor_s, len(tokens)
+
+
+def bench_adapter(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
+    """The adapters' cost: on and off (scale 0) interleaved on one engine, each against the floor
+    measured in the same state (so "floor on" has the adapter applied too)."""
+    scales = [a.scale for a in engine.adapters]
+    if not any(scales):
+        raise ValueError("the adapter rows need an engine with an adapter at a non-zero scale")
+    runs: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
+    n_tokens = 0
+    try:
+        for r in range(repeats + 1):
+            for on in (True, False):
+                with engine.session() as llama:
+                    llama.set_adapter_scales(scales if on else [0.0] * len(scales))
+                engine.cache.clear()  # states are keyed by the engine's adapters, not the toggle
+                ours, floor_s, n_tokens = _timed_single(engine, 5_000_000 + 10 * r + on, target)
+                if r:  # the first round warms up
+                    runs[on][0].append(ours)
+                    runs[on][1].append(floor_s)
+    finally:
+        with engine.session() as llama:
+            llama.set_adapter_scales(scales)
+        engine.cache.clear()
+    on_ms, on_floor_ms = (1000 * statistics.median(v) for v in runs[True])
+    off_ms, off_floor_ms = (1000 * statistics.median(v) for v in runs[False])
+    return {
+        "prompt_tokens": n_tokens,
+        "adapters": [a.path.name for a in engine.adapters],
+        "with_ms": on_ms,
+        "without_ms": off_ms,
+        "floor_with_ms": on_floor_ms,
+        "floor_without_ms": off_floor_ms,
+        "with_vs_without": on_ms / off_ms,
+        "with_vs_floor_with": on_ms / on_floor_ms,
     }
 
 
@@ -104,6 +156,9 @@ def run(engine: Engine, repeats: int, long_prompt: int = 0) -> dict[str, Any]:
     if long_prompt:
         report["single_long"] = bench_single(engine, long_prompt, repeats)
     report["shared_8x400"] = bench_shared(engine, max(1, repeats // 2))
+    if any(a.scale for a in engine.adapters):
+        report["adapter_150"] = bench_adapter(engine, 150, repeats)
+        report["adapter_600"] = bench_adapter(engine, 600, repeats)
     report["memory"] = bench_memory(engine)
     report["many_options"] = bench_many_options(
         engine,
@@ -155,13 +210,79 @@ def render(report: dict[str, Any]) -> str:
             f"| peak RSS | {mem['peak_rss_mb']:.0f} MB | GGUF {mem['gguf_mb']:.0f} + KV "
             f"{mem['kv_cache_mb']:.0f} + 400 MB | {mem['ratio']:.3f} | < 1.0 |",
             *render_rows(report["many_options"]),
+            *_adapter_rows(report),
         ]
     )
 
 
+def _adapter_rows(report: dict[str, Any]) -> list[str]:
+    rows = []
+    for key in ("adapter_150", "adapter_600"):
+        if key in report:
+            a = report[key]
+            rows += [
+                f"| single decision, {a['prompt_tokens']} tokens, LoRA on | {a['with_ms']:.1f} ms "
+                f"| LoRA off (scale 0) {a['without_ms']:.1f} ms | {a['with_vs_without']:.3f} "
+                "| (the adapter's cost) |",
+                f"| single decision, {a['prompt_tokens']} tokens, LoRA on | {a['with_ms']:.1f} ms "
+                f"| floor, LoRA on {a['floor_with_ms']:.1f} ms | {a['with_vs_floor_with']:.3f} "
+                "| <= 1.10 |",
+            ]
+    return rows
+
+
+def _adapter_only(engine: Engine, args: argparse.Namespace) -> int:
+    """Only the adapter rows (``--adapter-only``): more repeats of them in the same time."""
+    report = {key: bench_adapter(engine, n, args.repeats) for key, n in _ADAPTER_ROWS}
+    ratios = {
+        f"{key}_{name}": round(report[key][name], 4)
+        for key, _ in _ADAPTER_ROWS
+        for name in ("with_vs_without", "with_vs_floor_with")
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print("\n".join(_adapter_rows(report)))
+    print(json.dumps(ratios))
+    return 0
+
+
+_ADAPTER_ROWS = (("adapter_150", 150), ("adapter_600", 600))
+
+
+def _lora_setting(value: str | None, model: Path, directory: Path) -> str | None:
+    """``--lora``: an ARBITER_LORA value, or ``random`` (a seeded rank-8 adapter for ``model``)."""
+    if value != "random":
+        return value
+    from bench.lora_adapter import write_lora
+
+    return str(write_lora(model, directory / "random-lora.gguf", rank=8, alpha=8.0, seed=0))
+
+
 def main(args: argparse.Namespace) -> int:
-    engine = open_engine(model=args.model)
+    import tempfile
+
+    from arbiter.models import resolve_model
+    from arbiter.settings import EngineSettings
+
+    settings = EngineSettings()
+    if args.model is not None:
+        settings = settings.model_copy(update={"model": args.model})
+    with tempfile.TemporaryDirectory(prefix="arbiter-bench-lora-") as directory:
+        lora = getattr(args, "lora", None)
+        if lora is not None:
+            model = resolve_model(settings.model, settings.model_dir).path
+            settings = settings.model_copy(
+                update={"lora": _lora_setting(lora, model, Path(directory))}
+            )
+        engine = open_engine(settings)
+        return _main(engine, args)
+
+
+def _main(engine: Engine, args: argparse.Namespace) -> int:
     try:
+        if getattr(args, "adapter_only", False):
+            return _adapter_only(engine, args)
         report = run(engine, args.repeats, getattr(args, "long_prompt", 0))
     finally:
         engine.close()
@@ -176,6 +297,10 @@ def main(args: argparse.Namespace) -> int:
             report["many_options"]["options_60"]["readout_share_of_floor"], 4
         ),
     }
+    for key in ("adapter_150", "adapter_600"):
+        if key in report:
+            ratios[f"{key}_with_vs_without"] = round(report[key]["with_vs_without"], 4)
+            ratios[f"{key}_vs_floor_with"] = round(report[key]["with_vs_floor_with"], 4)
     if args.json:
         print(json.dumps(report))
         print(json.dumps(ratios))

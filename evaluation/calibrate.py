@@ -168,7 +168,11 @@ def calibrate_records(
         by_type=by_type,
         model_sha256=model.get("sha256"),
         model_file=model.get("file"),
-        extra={"prompt_version": prompt_version, "report": summary},
+        extra={
+            "prompt_version": prompt_version,
+            "prompt_profile_sha256": model.get("prompt_profile_sha256"),
+            "report": summary,
+        },
     )
     return cal, summary
 

@@ -36,7 +36,7 @@ def _open_backend(args: argparse.Namespace) -> Backend:
         return HttpBackend(args.url, timeout=args.timeout)
     from arbiter.engine import open_engine
 
-    return EngineBackend(open_engine(model=args.model))
+    return EngineBackend(open_engine(model=args.model, profile=args.profile))
 
 
 def _items(args: argparse.Namespace) -> list[EvalItem] | None:
@@ -58,6 +58,13 @@ def _scored(
     baseline (with ``order_samples``) and the backend's name; None when the files are unusable."""
     items = _items(args)
     if items is None:
+        return None
+    if args.url and args.profile:
+        print(
+            "arbiter: --profile applies to the in-process engine; a running endpoint serves the "
+            "profile it was started with (ARBITER_PROMPT_PROFILE)",
+            file=sys.stderr,
+        )
         return None
     backend = _open_backend(args)
     try:
@@ -155,6 +162,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--url", default=None, help="a running endpoint (else the in-process engine)"
     )
     parser.add_argument("--model", type=Path, default=None, help="in-process: a .gguf")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="in-process: a prompt profile (file or built-in name), to compare profiles on one file",
+    )
     parser.add_argument("--timeout", type=float, default=120.0, help="--url: seconds per request")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -32,6 +32,7 @@ def report(
         "backend": backend_name,
         "model": first.get("model"),
         "prompt_version": first.get("prompt_version"),
+        "prompt_profile_sha256": (first.get("model") or {}).get("prompt_profile_sha256"),
         "order_samples": order_samples or 1,
         "overall": eval_metrics.summarize(records),
         "by_file": _grouped(records, "file"),
@@ -85,7 +86,8 @@ def _row(name: str, m: dict[str, Any]) -> str:
 def markdown(rep: dict[str, Any]) -> str:
     lines = [
         f"Eval of {', '.join(rep['files'])} on {rep['backend']} "
-        f"(prompt {rep['prompt_version']}, order samples {rep['order_samples']})",
+        f"(prompt {rep['prompt_version']}, profile sha256 "
+        f"{(rep.get('prompt_profile_sha256') or '?')[:12]}, order samples {rep['order_samples']})",
         "",
         "| slice | n | failures | accuracy | Brier | ECE | p50 ms | p95 ms | p99 ms | max ms |",
         "|---|---|---|---|---|---|---|---|---|---|",

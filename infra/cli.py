@@ -22,6 +22,8 @@ def cmd_package_model(args: argparse.Namespace) -> int:
             expected_sha256=args.expected_sha256,
             source=args.source,
             revision=args.revision,
+            profile=Path(args.profile) if args.profile else None,
+            loras=[_lora(value) for value in args.lora or []],
         )
     except PackageError as exc:
         print(f"arbiter package-model: {exc}", file=sys.stderr)
@@ -31,6 +33,17 @@ def cmd_package_model(args: argparse.Namespace) -> int:
     # sha256sum's format, so `sha256sum -c` can check the archive after a copy.
     print(f"{package.sha256}  {package.archive}")
     return 0
+
+
+def _lora(value: str) -> tuple[Path, float]:
+    """``FILE[:SCALE]`` as --lora takes it (llama-server's --lora-scaled form)."""
+    path, sep, scale = value.rpartition(":")
+    if sep:
+        try:
+            return Path(path), float(scale)
+        except ValueError:
+            pass
+    return Path(value), 1.0
 
 
 def _csv(value: str) -> list[str]:
@@ -86,6 +99,13 @@ def register(sub: Any) -> None:
         "--source", default=None, help="where the GGUF came from (URL); with --revision"
     )
     pkg.add_argument("--revision", default=None, help="the source's revision (commit, tag)")
+    pkg.add_argument("--profile", default=None, help="a prompt profile (TOML) to pack with it")
+    pkg.add_argument(
+        "--lora",
+        action="append",
+        metavar="FILE[:SCALE]",
+        help="a LoRA adapter (GGUF) to pack and apply at SCALE (default 1); repeatable",
+    )
     pkg.set_defaults(func=cmd_package_model)
 
     dep = sub.add_parser(

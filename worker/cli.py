@@ -70,6 +70,9 @@ def register(sub: Any) -> None:
     local.add_argument("--no-serve", action="store_true", help="do not start `arbiter serve`")
     local.add_argument("--no-work", action="store_true", help="do not start `arbiter work`")
     local.add_argument(
+        "--no-runtime", action="store_true", help="do not start `arbiter runtime` (port 8081)"
+    )
+    local.add_argument(
         "--submit",
         type=Path,
         default=None,

@@ -1,8 +1,9 @@
 """`arbiter local`: the whole stack on one machine.
 
 A moto server on 127.0.0.1 stands in for S3 and SQS (unless ARBITER_AWS_ENDPOINT_URL names one),
-the bucket, queue, dead-letter queue and S3 -> SQS notification are created, and `arbiter serve`
-and `arbiter work` run as child processes until Ctrl-C / SIGTERM, which they receive in turn.
+the bucket, queue, dead-letter queue and S3 -> SQS notification are created, and `arbiter serve`,
+`arbiter work` and `arbiter runtime` (the SageMaker Runtime API, port 8081) run as child processes
+until Ctrl-C / SIGTERM, which they receive in turn.
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ def _spawn(args: argparse.Namespace, env: dict[str, str]) -> list[subprocess.Pop
             children.append(subprocess.Popen([sys.executable, "-m", "arbiter", "serve"], env=env))
     if not args.no_work:
         children.append(subprocess.Popen([sys.executable, "-m", "arbiter", "work"], env=env))
+    if not getattr(args, "no_runtime", False):  # the SageMaker Runtime API; it prints its URL
+        children.append(subprocess.Popen([sys.executable, "-m", "arbiter", "runtime"], env=env))
     return children
 
 

@@ -8,9 +8,13 @@ branches, gives the second factor of each code's probability (``labels``).
 serializes every use of the context. The work is done by one module per concern:
 
 - ``llama``: every ctypes call (load, tokenize, decode, KV cache, save and restore);
-- ``scoring``: grouping by state, the shared prefix, branches, readout, results;
+- ``preparing``: decisions checked (from bytes first, ``cost``) and tokenized, grouped by state;
+- ``scoring``: the shared prefix, branches, readout, results; ``budget``: what a request may
+  spend, and the cancellation of work nobody waits for;
 - ``labels``: the option labels (letters, codes) and the option logits read from them;
-- ``generation``: chat completions; ``prefix_cache``: saved prefixes; ``ordering``: option orders;
+- ``generation``: chat and text completions, over ``sampler`` (llama.cpp's sampler chain and
+  grammars), ``sampling`` (parameters, choices, log-probabilities) and ``grammar`` (JSON schemas
+  as GBNF); ``prefix_cache``: saved prefixes; ``ordering``: option orders;
   ``calibration``: fitted temperatures; ``probabilities``: log-sum-exp and softmax;
 - ``backends``: llama.cpp's process-wide set-up.
 """
@@ -18,7 +22,7 @@ serializes every use of the context. The work is done by one module per concern:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,19 +30,34 @@ import numpy as np
 
 from arbiter import prompt as prompts
 from arbiter.engine import ordering
+from arbiter.engine.budget import Budget
 from arbiter.engine.calibration import Calibration
-from arbiter.engine.generation import Generation, generate
-from arbiter.engine.labels import Labels
+from arbiter.engine.cost import CostFloor
+from arbiter.engine.generation import GenerationRequest, generate
 from arbiter.engine.llama import LLAMA_CPP_BUILD, LLAMA_CPP_PYTHON_VERSION, Llama
 from arbiter.engine.prefix_cache import PrefixCache
-from arbiter.engine.scoring import Prompts, Scoring, context_sequences
-from arbiter.errors import ContextLengthExceeded
+from arbiter.engine.prompting import open_prompts
+from arbiter.engine.sampler import Grammar
+from arbiter.engine.sampling import Choice, Generation, OnDelta, SamplingParams, TokenLogprob
+from arbiter.engine.scoring import Scoring, context_sequences
+from arbiter.errors import ContextLengthExceeded, InvalidDecision
+from arbiter.lora import resolve_adapters, weights_id
 from arbiter.models import ResolvedModel, resolve_model, verify
-from arbiter.schema import DecisionRequest, ModelInfo
+from arbiter.profiles import resolve_profile
+from arbiter.schema import AdapterInfo, DecisionRequest, ModelInfo
 from arbiter.scorer import Outcome
 from arbiter.settings import EngineSettings
 
-__all__ = ["Engine", "Generation", "Outcome", "open_engine"]
+__all__ = [
+    "Budget",
+    "Choice",
+    "Engine",
+    "Generation",
+    "Outcome",
+    "SamplingParams",
+    "TokenLogprob",
+    "open_engine",
+]
 
 
 class Engine:
@@ -47,22 +66,29 @@ class Engine:
     def __init__(self, settings: EngineSettings, resolved: ResolvedModel | None = None) -> None:
         self.resolved = resolved or resolve_model(settings.model, settings.model_dir)
         self.sha256 = verify(self.resolved)
+        # Checked against the model's tensors before llama.cpp loads anything.
+        self.adapters = resolve_adapters(settings.lora, self.resolved, settings.model_dir)
         # Serializes everything that uses the context; tokenizing runs outside it (chat prompts
-        # are tokenized before admission) under the model's own lock.
+        # are tokenized in their admission slot) under the model's own lock.
         self._lock = threading.Lock()
         self.llama = Llama(self.resolved.path, settings)
         try:
             llama = self.llama
-            self.bos_text = self.piece(llama.bos)  # "" for a model without one
-            self.eos_text = self.piece(llama.eos)
+            self.bos_text = llama.piece_text(llama.bos)  # "" for a model without one
+            self.eos_text = llama.piece_text(llama.eos)
             self.chat_template = llama.chat_template
-            if llama.chat_template:
-                layout = prompts.chat_layout(llama.chat_template, self.bos_text, self.eos_text)
-            else:
-                layout = prompts.plain_layout()
-            self.labels = Labels.of(llama)
-            self.prompts = Prompts(llama, layout, self.labels)
+            self.profile = resolve_profile(settings.prompt_profile, self.resolved)
+            self.prompts = open_prompts(llama, settings, self.profile)
+            self.labels = self.prompts.labels
             llama.open_context(settings, context_sequences(settings, self.labels))
+            llama.load_adapters([(a.path, a.scale) for a in self.adapters])
+            head_tokens, tail_tokens = self.prompts.fewest_around()
+            self.cost = CostFloor(
+                n_ctx=llama.n_ctx,
+                max_piece=llama.max_piece_bytes(),
+                head_tokens=head_tokens,
+                tail_tokens=tail_tokens,
+            )
             self.model_info = self._model_info(settings)
             self.calibration: Calibration | None = None
             if settings.calibration is not None:
@@ -73,7 +99,14 @@ class Engine:
             raise
         self.settings = settings  # read at each call: a replaced one takes effect at once
         self.cache = PrefixCache(int(settings.prefix_cache_mb * 1024 * 1024))
-        self._scoring = Scoring(llama, self.prompts, self.labels, self.sha256, self.model_info)
+        self._scoring = Scoring(
+            llama,
+            self.prompts,
+            self.labels,
+            weights_id(self.sha256, self.adapters),
+            self.model_info,
+            self.cost,
+        )
 
     @property
     def n_ctx(self) -> int:
@@ -86,6 +119,11 @@ class Engine:
     @property
     def layout(self) -> prompts.PromptLayout:
         return self.prompts.layout
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        """Measured decode speed (a moving average; None before the first decision)."""
+        return self._scoring.speed.seconds_per_token
 
     def _model_info(self, settings: EngineSettings) -> ModelInfo:
         return ModelInfo(
@@ -101,6 +139,12 @@ class Engine:
             chat_template=self.prompts.layout.chat,
             llama_cpp_python_version=LLAMA_CPP_PYTHON_VERSION,
             llama_cpp_build=LLAMA_CPP_BUILD,
+            prompt_profile=self.profile.name,
+            prompt_profile_sha256=self.profile.sha256,
+            adapters=[
+                AdapterInfo(file=a.path.name, bytes=a.bytes, sha256=a.sha256, scale=a.scale)
+                for a in self.adapters
+            ],
         )
 
     # -- lifetime ----------------------------------------------------------------------------------
@@ -127,7 +171,7 @@ class Engine:
 
     def piece(self, token: int) -> str:
         """The text of one token ("" for an id outside the vocabulary, e.g. a missing BOS)."""
-        return self.llama.piece_bytes(token, special=True).decode("utf-8", "replace")
+        return self.llama.piece_text(token)
 
     def is_control(self, token: int) -> bool:
         return self.llama.is_control(token)
@@ -155,58 +199,107 @@ class Engine:
 
     # -- decisions ---------------------------------------------------------------------------------
 
-    def score(self, decisions: Sequence[DecisionRequest]) -> list[Outcome]:
+    def score(
+        self, decisions: Sequence[DecisionRequest], budget: Budget | None = None
+    ) -> list[Outcome]:
         """Score decisions in any mix of states; outcomes come back in input order.
 
         A decision that cannot be scored (too many options, too long, text that is not Unicode,
         non-finite logits, any other failure of its own) becomes its typed error in its slot; the
         others are scored regardless. ``order_samples`` expands a decision into several option
         orders over its state (``ordering``); a calibration file sets the temperature of
-        decisions that set none (``calibration``). Raises only for the whole call: the engine is
-        closed.
+        decisions that set none (``calibration``). ``budget``: the request's limits, checked
+        before anything is decoded, and its cancellation, checked between decodes (``budget``).
+        Raises only for the whole call: the engine is closed, the request is over its budget,
+        or its client went away (``RequestCancelled``).
         """
         expanded, plan = ordering.expand(decisions)
         with self._lock:
             self.llama.check_open()
-            outcomes = self._scoring.score(expanded, self.settings, self.cache)
+            if budget is not None:
+                budget.start()
+            with self.llama.interruptible(budget.interrupt if budget is not None else None):
+                outcomes = self._scoring.score(expanded, self.settings, self.cache, budget)
         merged = ordering.merge(decisions, outcomes, plan, self.settings.temperature)
         if self.calibration is None:
             return merged
         calibration = self.calibration
         return [calibration.apply(d, o) for d, o in zip(decisions, merged, strict=True)]
 
-    # -- text generation (chat completions) --------------------------------------------------------
+    # -- text generation (chat and text completions) ---------------------------------------------
 
     def generate(
         self,
         tokens: np.ndarray,
         *,
         max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
+        sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
-        seed: int | None = None,
-        on_text: Callable[[str], bool] | None = None,
+        n: int = 1,
+        top_logprobs: int | None = None,
+        on_delta: OnDelta | None = None,
+        budget: Budget | None = None,
     ) -> Generation:
-        """Generate text after ``tokens``: greedy at temperature 0, else sampled with numpy.
+        """Generate ``n`` choices after ``tokens``, the prompt prefilled once for all of them,
+        through llama.cpp's sampler chain (``sampling``; greedy at temperature 0).
 
-        ``on_text`` receives the text as it becomes final (``generation``); returning False stops
-        the generation (finish reason ``cancelled``). Blocking; serialized with scoring.
+        ``top_logprobs`` (0-20) adds each token's log-probability and that many alternatives.
+        ``on_delta`` receives each choice's text as it becomes final (``generation``); returning
+        False stops the generation (finish reason ``cancelled``); a ``budget`` stops it between
+        two decodes (its client went away, or its time is spent). Blocking; serialized with
+        scoring.
         """
+        sampling = sampling or SamplingParams()
+        if not 1 <= n <= self.llama.n_seq_max:
+            raise InvalidDecision(
+                f"n is {n}; this context generates 1 to {self.llama.n_seq_max} choices",
+                param="n",
+                code="invalid_field",
+            )
         if len(tokens) >= self.n_ctx:
             raise ContextLengthExceeded(
                 f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} tokens",
                 param="messages",
             )
-        budget = min(max_tokens, self.n_ctx - len(tokens))
-        rng = np.random.default_rng(None if seed is None else seed % 2**64)
-        with self.session() as llama:
-            return generate(llama, tokens, budget, temperature, top_p, list(stop), rng, on_text)
+        # The choices share the prompt's cells; each needs its own for what it generates.
+        limit = min(max_tokens, (self.n_ctx - len(tokens)) // n)
+        if limit < 1:
+            raise ContextLengthExceeded(
+                f"the prompt is {len(tokens)} tokens; {n} choices need at least {n} more and the "
+                f"context holds {self.n_ctx} tokens",
+                param="n",
+            )
+        request = GenerationRequest(limit, sampling, tuple(stop), n, top_logprobs)
+        check = budget.interrupt if budget is not None else None
+        with self.session() as llama, llama.interruptible(check):
+            if budget is not None:
+                budget.start()
+            grammar = None
+            if sampling.grammar is not None:
+                with llama.vocabulary() as vocab:
+                    grammar = Grammar(vocab, sampling.grammar)
+            try:
+                return generate(llama, tokens, request, grammar, on_delta)
+            finally:
+                if grammar is not None:
+                    grammar.close()
+
+    def check_grammar(self, text: str, param: str = "grammar") -> None:
+        """Raise ``InvalidGrammar`` (naming ``param``) for a GBNF grammar llama.cpp cannot use;
+        callers check before a response starts, so a bad grammar is a 4xx, never a broken
+        stream. Needs the vocabulary only: runs outside the engine lock."""
+        with self.llama.vocabulary() as vocab:
+            Grammar(vocab, text, param=param).close()
 
 
-def open_engine(settings: EngineSettings | None = None, model: Path | None = None) -> Engine:
-    """Build an engine from the environment (or the given settings), optionally forcing a model."""
+def open_engine(
+    settings: EngineSettings | None = None, model: Path | None = None, profile: str | None = None
+) -> Engine:
+    """Build an engine from the environment (or the given settings), optionally forcing a model
+    or a prompt profile."""
     settings = settings or EngineSettings()
     if model is not None:
         settings = settings.model_copy(update={"model": model})
+    if profile is not None:
+        settings = settings.model_copy(update={"prompt_profile": profile})
     return Engine(settings)

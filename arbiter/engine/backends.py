@@ -22,6 +22,8 @@ import ctypes
 import re
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,9 +82,29 @@ def loaded_cpu_variant(maps: Path = Path("/proc/self/maps")) -> str | None:
 _GGML_LOG_LEVEL_ERROR = 4  # ggml.h: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
 
 
+_collecting = threading.local()  # llama.cpp logs from the thread that calls it
+
+
 def _stderr_errors_only(level: int, text: bytes | None, user_data: ctypes.c_void_p) -> None:
     if level == _GGML_LOG_LEVEL_ERROR and text:
-        sys.stderr.write(text.decode("utf-8", "replace"))
+        message = text.decode("utf-8", "replace")
+        collected: list[str] | None = getattr(_collecting, "lines", None)
+        if collected is not None:
+            collected.append(message)
+        else:
+            sys.stderr.write(message)
+
+
+@contextmanager
+def collected_errors() -> Iterator[list[str]]:
+    """llama.cpp's error lines logged by this thread inside the block, collected instead of
+    written to stderr (a grammar's parse error becomes the caller's 4xx message)."""
+    lines: list[str] = []
+    _collecting.lines = lines
+    try:
+        yield lines
+    finally:
+        _collecting.lines = None
 
 
 _log_callback: object = None  # kept alive for as long as llama.cpp may call it

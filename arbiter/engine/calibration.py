@@ -12,14 +12,13 @@ fitted on another GGUF (different sha256) is refused at start-up.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from arbiter.engine.probabilities import softmax
 from arbiter.errors import ArbiterError, ModelLoadError
-from arbiter.schema import DecisionRequest, DecisionResult
+from arbiter.schema import MAX_TEMPERATURE, MIN_TEMPERATURE, DecisionRequest, DecisionResult
 
 FORMAT = "arbiter-calibration-v1"
 QUESTION_TYPES = ("noul", "choice", "score")
@@ -64,8 +63,14 @@ class Calibration:
             raise ModelLoadError(f"{path} is not an {FORMAT} file (written by `arbiter calibrate`)")
         temps = {"global": raw.get("global_temperature"), **(raw.get("temperatures") or {})}
         for name, value in temps.items():
-            if not isinstance(value, int | float) or not (0 < value < math.inf):
-                raise ModelLoadError(f"{path}: temperature {name!r} must be a positive number")
+            # A request's own limits: below 0.01 the scaled logits overflow (1e-310 gave NaN
+            # probabilities in the JSON), and above 100 every answer is uniform.
+            usable = isinstance(value, int | float) and not isinstance(value, bool)
+            if not usable or not (MIN_TEMPERATURE <= value <= MAX_TEMPERATURE):
+                raise ModelLoadError(
+                    f"{path}: temperature {name!r} must be a number from {MIN_TEMPERATURE:g} to "
+                    f"{MAX_TEMPERATURE:g} (got {value!r})"
+                )
         unknown = set(raw.get("temperatures") or {}) - set(QUESTION_TYPES)
         if unknown:
             raise ModelLoadError(f"{path}: unknown question types {sorted(unknown)}")

@@ -1,109 +1,234 @@
-"""Text generation for chat completions: greedy or sampled with numpy, stop strings, streaming.
+"""Text generation for chat and text completions: n choices from one prefill, llama.cpp's sampler
+chain, stop strings, log-probabilities, streaming.
 
-Logits are computed at the last position only: the prompt is prefilled once, then each new token
-is decoded alone. Text is handed to ``on_text`` as it becomes final, never part of a stop string.
+The prompt is prefilled once into sequence 0 with logits at its last position only; each further
+choice is a copy of that sequence (``llama_memory_seq_cp``: the cells are shared, not recomputed).
+Then every step decodes one token per unfinished choice in one batch, with logits at those rows
+only, and each choice's sampler (``sampler``) picks its next token from its row. Text is handed
+to ``on_delta`` as it becomes final, never part of a stop string.
 """
 
 from __future__ import annotations
 
 import codecs
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from arbiter.engine.llama import Llama
+from arbiter.engine.sampler import Candidates, Grammar, Sampler
+from arbiter.engine.sampling import (
+    Choice,
+    Generation,
+    OnDelta,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+    token_logprobs,
+)
 
 
 @dataclass(frozen=True)
-class Generation:
-    """The outcome of ``Engine.generate``."""
+class GenerationRequest:
+    """What ``generate`` is asked for; ``top_logprobs`` None: no log-probabilities."""
 
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str  # "stop" (end of generation or a stop string), "length", "cancelled"
-    prefill_s: float
-    decode_s: float
+    budget: int  # tokens per choice
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    top_logprobs: int | None = None
+
+
+@dataclass
+class _Choice:
+    index: int
+    sampler: Sampler
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace")
+    )
+    text: str = ""
+    produced: int = 0
+    sent: int = 0  # characters of text handed to on_delta
+    sent_logprobs: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish: str | None = None
+    last: int = -1
+    cut: bool = False
 
 
 def generate(
     llama: Llama,
     tokens: np.ndarray,
-    budget: int,
-    temperature: float,
-    top_p: float,
-    stop: list[str],
-    rng: np.random.Generator,
-    on_text: Callable[[str], bool] | None,
+    request: GenerationRequest,
+    grammar: Grammar | None,
+    on_delta: OnDelta | None,
 ) -> Generation:
-    """Up to ``budget`` tokens after ``tokens`` (sequence 0 of an empty KV cache, held by the
-    caller). ``on_text`` returning False stops the generation (finish reason ``cancelled``)."""
+    """Up to ``request.budget`` tokens per choice after ``tokens`` (sequence 0 of an empty KV
+    cache, held by the caller; choice i decodes into sequence i). ``on_delta`` returning False
+    stops every choice (finish reason ``cancelled``)."""
     started = time.perf_counter()
-    logits = llama.last_logits(tokens, 0)
+    row = llama.last_logits(tokens, 0)
     prefill_s = time.perf_counter() - started
-
-    def outcome(text: str, produced: int, finish: str) -> Generation:
-        total = time.perf_counter() - started
-        return Generation(text, len(tokens), produced, finish, prefill_s, total - prefill_s)
-
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    text, sent, produced, finish = "", 0, 0, "length"
-    while produced < budget:
-        token = sample(logits, temperature, top_p, rng)
-        if llama.is_end_of_generation(token):
-            finish = "stop"
-            break
-        produced += 1
-        text += decoder.decode(llama.piece_bytes(token))
-        cut = _stop_index(text, stop, sent)
-        if cut is not None:
-            text, finish = text[:cut], "stop"
-            break
-        final = len(text) - _held_back(text, stop)
-        if final > sent and on_text is not None:
-            if on_text(text[sent:final]) is False:
-                return outcome(text[:final], produced, "cancelled")
-            sent = final
-        if produced < budget:
-            logits = llama.last_logits(
-                np.array([token], dtype=np.int32), len(tokens) + produced - 1
+    for seq in range(1, request.n):
+        llama.copy_sequence(0, seq)
+    candidates = Candidates(llama.n_vocab)
+    sampling = request.sampling
+    choices: list[_Choice] = []
+    pieces: dict[int, bytes] = {}
+    try:
+        for i in range(request.n):
+            sampler = Sampler(
+                llama.n_vocab,
+                sampling,
+                sampling.choice_seed(i),
+                request.budget,
+                grammar,
+                candidates,
             )
-    if finish == "length":
-        text += decoder.decode(b"", final=True)
-    if on_text is not None and len(text) > sent:
-        on_text(text[sent:])
-    return outcome(text, produced, finish)
+            choices.append(_Choice(i, sampler))
+        rows = [row] * request.n
+        active = choices
+        while active:
+            for choice, logits in zip(active, rows, strict=True):
+                _step(llama, choice, logits, request, pieces)
+                if on_delta is not None and not _emit(choice, request, on_delta):
+                    for c in choices:
+                        c.finish = c.finish or "cancelled"
+                    break
+            active = [c for c in choices if c.finish is None]
+            if active:
+                rows = _decode_next(llama, active, len(tokens))
+    finally:
+        for choice in choices:
+            choice.sampler.close()
+    for choice in choices:
+        _finish(choice, request, on_delta)
+    total = time.perf_counter() - started
+    results = tuple(
+        Choice(
+            c.index,
+            c.text,
+            c.finish or "length",
+            c.produced,
+            c.logprobs if request.top_logprobs is not None else None,
+        )
+        for c in choices
+    )
+    return Generation(len(tokens), results, prefill_s, total - prefill_s)
 
 
-def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    """A token id: the argmax at temperature 0, else drawn from softmax(logits / T), top-p cut."""
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    with np.errstate(over="ignore", invalid="ignore"):
-        scaled = logits / temperature
-        probs = np.exp(scaled - scaled.max())
-    if not np.all(np.isfinite(probs)):  # a temperature so small that it overflows: greedy
-        return int(np.argmax(logits))
-    if top_p < 1.0:
-        order = np.argsort(-probs)
-        cumulative = np.cumsum(probs[order])
-        keep = order[: int(np.searchsorted(cumulative, top_p * cumulative[-1])) + 1]
-        weights = np.cumsum(probs[keep])
-        return int(keep[np.searchsorted(weights, rng.random() * weights[-1], side="right")])
-    cumulative = np.cumsum(probs)
-    pick = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
-    return min(pick, len(probs) - 1)
+def _step(
+    llama: Llama,
+    choice: _Choice,
+    logits: np.ndarray,
+    request: GenerationRequest,
+    pieces: dict[int, bytes],
+) -> None:
+    """Sample the choice's next token from its row, and append its text (or finish it)."""
+    token = choice.sampler.sample(logits)
+    if llama.is_end_of_generation(token):
+        choice.finish = "stop"
+        return
+    choice.produced += 1
+    choice.last = token
+    piece = llama.piece_bytes(token)
+    start = len(choice.text)
+    choice.text += choice.decoder.decode(piece)
+    if request.top_logprobs is not None:
+        logprob, top, top_values = token_logprobs(logits, token, request.top_logprobs)
+        alternatives = [
+            TopLogprob(p.decode("utf-8", "replace"), v, p)
+            for t, v in zip(top.tolist(), top_values.tolist(), strict=True)
+            if (p := _piece(llama, pieces, t)) is not None
+        ]
+        choice.logprobs.append(
+            TokenLogprob(choice.text[start:], logprob, piece, alternatives, start)
+        )
+    cut = _stop_index(choice.text, request.stop, start)
+    if cut is not None:
+        _cut(choice, cut)
+        choice.finish = "stop"
+    elif choice.produced >= request.budget:
+        choice.finish = "length"
 
 
-def _stop_index(text: str, stops: list[str], since: int) -> int | None:
+def _piece(llama: Llama, pieces: dict[int, bytes], token: int) -> bytes:
+    found = pieces.get(token)
+    if found is None:
+        found = pieces[token] = llama.piece_bytes(token, special=True)
+    return found
+
+
+def _cut(choice: _Choice, cut: int) -> None:
+    """End the text at a stop string; tokens after the cut go, one across it keeps its part."""
+    choice.text = choice.text[:cut]
+    choice.cut = True
+    kept = [lp for lp in choice.logprobs if lp.start < cut]
+    for lp in kept:
+        lp.token = lp.token[: max(0, cut - lp.start)]
+    choice.logprobs = kept
+
+
+def _emit(choice: _Choice, request: GenerationRequest, on_delta: OnDelta) -> bool:
+    """Hand on what became final (all of it once finished; else up to a possible stop string)."""
+    if choice.finish is not None:
+        return True  # _finish hands on the rest
+    final = len(choice.text) - _held_back(choice.text, request.stop)
+    if final <= choice.sent:
+        return True
+    ready = [
+        lp for lp in choice.logprobs[choice.sent_logprobs :] if lp.start + len(lp.token) <= final
+    ]
+    logprobs = ready if request.top_logprobs is not None else None
+    ok = on_delta(choice.index, choice.text[choice.sent : final], logprobs)
+    choice.sent = final
+    choice.sent_logprobs += len(ready)
+    return ok
+
+
+def _finish(choice: _Choice, request: GenerationRequest, on_delta: OnDelta | None) -> None:
+    """Flush an incomplete character at the end (as U+FFFD), hand on the rest."""
+    if choice.finish == "cancelled":
+        _cut(choice, choice.sent)
+        return
+    if not choice.cut:
+        tail = choice.decoder.decode(b"", final=True)
+        if tail:
+            choice.text += tail
+            if choice.logprobs:
+                choice.logprobs[-1].token += tail
+    rest = choice.logprobs[choice.sent_logprobs :]
+    if on_delta is not None and (len(choice.text) > choice.sent or rest):
+        # A token whose text was sent before a stop string cut it may be all that is left.
+        on_delta(
+            choice.index,
+            choice.text[choice.sent :],
+            rest if request.top_logprobs is not None else None,
+        )
+        choice.sent = len(choice.text)
+
+
+def _decode_next(llama: Llama, active: list[_Choice], prompt_len: int) -> list[np.ndarray]:
+    """Decode each active choice's last token into its own sequence, in one batch; the rows of
+    logits (views, valid until the next decode) in the same order."""
+    n = len(active)
+    llama.decode(
+        np.array([c.last for c in active], dtype=np.int32),
+        np.array([prompt_len + c.produced - 1 for c in active], dtype=np.int32),
+        np.array([c.index for c in active], dtype=np.int32),
+        np.ones(n, dtype=np.int8),
+    )
+    return [llama.logits(i) for i in range(n)]
+
+
+def _stop_index(text: str, stops: tuple[str, ...], since: int) -> int | None:
     """Where the earliest stop string starts in ``text`` (searching only what is new), if any."""
     found = [i for s in stops if s and (i := text.find(s, max(0, since - len(s) + 1))) != -1]
     return min(found) if found else None
 
 
-def _held_back(text: str, stops: list[str]) -> int:
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
     """Characters at the end of ``text`` that could still become a stop string."""
     held = 0
     for s in stops:

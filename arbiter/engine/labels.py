@@ -154,106 +154,177 @@ def _prefix_free(sequences: Sequence[tuple[int, ...]]) -> bool:
     return all(b[: len(a)] != a for a, b in itertools.pairwise(ordered))
 
 
-def choose_codes(tokenize: Tokenize, piece: Piece, n_codes: int = MAX_OPTIONS) -> Codes | None:
-    """The first candidate code set that is sound in this vocabulary, or None.
+def code_set(
+    name: str,
+    texts: Sequence[str],
+    tokenize: Tokenize,
+    piece: Piece,
+    max_tokens: int | None = None,
+) -> Codes | None:
+    """``texts`` as a code set read by the chain rule, or None when it is not sound here.
 
-    Sound: in each kept spelling, every code's tokens decode back to exactly that spelling of the
-    code (no merge with the space, nothing lost); all kept sequences are distinct and prefix-free;
-    the branches of the largest question fit ``MAX_CODE_BRANCHES``.
+    Sound: in each kept spelling, every code's tokens (at most ``max_tokens``) decode back to
+    exactly that spelling of the code (no merge with the space, nothing lost); all kept sequences
+    are distinct and prefix-free; the branches of the largest question fit ``MAX_CODE_BRANCHES``.
     """
+    kept: list[str] = []
+    columns: list[list[tuple[int, ...]]] = []
+    for lead in SPELLINGS:
+        column = []
+        for text in texts:
+            seq = tuple(int(t) for t in tokenize(lead + text))
+            joined = b"".join(piece(t) for t in seq).decode("utf-8", "replace")
+            if not seq or joined != lead + text or (max_tokens and len(seq) > max_tokens):
+                break
+            column.append(seq)
+        else:
+            kept.append(lead)
+            columns.append(column)
+    if not kept:
+        return None
+    sequences = [seq for column in columns for seq in column]
+    if not _prefix_free(sequences):
+        return None
+    codes = Codes(name, tuple(texts), tuple(kept), tuple(zip(*columns, strict=True)))
+    if len(codes.paths(len(texts)).branches) > MAX_CODE_BRANCHES:
+        return None
+    return codes
+
+
+def choose_codes(tokenize: Tokenize, piece: Piece, n_codes: int = MAX_OPTIONS) -> Codes | None:
+    """The first candidate code set (``CANDIDATES``) that is sound in this vocabulary, or None."""
     for name, texts in CANDIDATES:
-        texts = texts[:n_codes]
-        if len(texts) < n_codes:
-            continue
-        kept: list[str] = []
-        columns: list[list[tuple[int, ...]]] = []
-        for lead in SPELLINGS:
-            column = []
-            for text in texts:
-                seq = tuple(int(t) for t in tokenize(lead + text))
-                joined = b"".join(piece(t) for t in seq).decode("utf-8", "replace")
-                if not seq or joined != lead + text:
-                    break
-                column.append(seq)
-            else:
-                kept.append(lead)
-                columns.append(column)
-        if not kept:
-            continue
-        sequences = [seq for column in columns for seq in column]
-        if not _prefix_free(sequences):
-            continue
-        codes = Codes(name, texts, tuple(kept), tuple(zip(*columns, strict=True)))
-        if len(codes.paths(n_codes).branches) <= MAX_CODE_BRANCHES:
-            return codes
+        if len(texts) >= n_codes:
+            codes = code_set(name, texts[:n_codes], tokenize, piece)
+            if codes is not None:
+                return codes
     return None
+
+
+def _single_tokens(labels: Sequence[str], tokenize: Tokenize, piece: Piece) -> np.ndarray | None:
+    """Per label and kept spelling, its one token; a spelling is kept only if every label is one
+    token that round-trips in it and the labels stay distinct. None when no spelling is kept."""
+    columns = []
+    for lead in SPELLINGS:
+        ids = []
+        for label in labels:
+            toks = tokenize(lead + label)
+            text = piece(int(toks[0])) if len(toks) == 1 else b""
+            if text.decode("utf-8", "replace") != lead + label:
+                break
+            ids.append(int(toks[0]))
+        if len(ids) == len(labels) and len(set(ids)) == len(ids):
+            columns.append(ids)
+    if not columns:
+        return None
+    merged = np.array(columns, dtype=np.int64).T
+    if len({tuple(row) for row in merged}) != len(merged) or len(np.unique(merged)) != merged.size:
+        raise LabelVocabularyError("label token variants collide across labels")
+    return merged
+
+
+def _describe(label: str, tokenize: Tokenize, piece: Piece) -> str:
+    pieces = [piece(int(t)).decode("utf-8", "replace") for t in tokenize(label)]
+    return f"{label!r} is {len(pieces)} tokens here ({', '.join(map(repr, pieces))})"
+
+
+LabelSet = str | Sequence[str]  # "letters", "digits", or a profile's own labels
+DIGITS = "123456789"
 
 
 @dataclass(frozen=True)
 class Labels:
-    """Letters for up to 26 options (token ids per letter (rows) and kept spelling (columns)), and
-    the codes above that."""
+    """The labels options get, as tokens: single-token labels (rows: labels, columns: kept
+    spellings), read from one row of logits; and codes, read by the chain rule, for the options
+    past them (letters: A-Z, then codes up to 255) or for a profile's two-token labels."""
 
     token_ids: np.ndarray
-    codes: Codes
-
-    @property
-    def max_options(self) -> int:
-        return MAX_OPTIONS
+    codes: Codes | None
+    singles: tuple[str, ...] = tuple(LETTERS)
+    max_options: int = MAX_OPTIONS
 
     @property
     def max_letters(self) -> int:
+        """How many options get single-token labels (26 letters)."""
         return int(self.token_ids.shape[0])
 
     @property
     def max_branches(self) -> int:
         """Branches of the label decode for the largest question (sequences and output rows)."""
-        return len(self.codes.paths(MAX_OPTIONS).branches)
+        if self.codes is None or self.max_options <= self.max_letters:
+            return 0
+        return len(self.codes.paths(self.max_options).branches)
+
+    def too_many(self, n_options: int) -> str:
+        """Why a question with ``n_options`` options cannot be labelled."""
+        if self.singles == tuple(LETTERS) and self.codes is not None:
+            return (
+                f"{n_options} options given; at most {self.max_options} options are supported "
+                f"(up to {self.max_letters} are labelled with letters, more with "
+                f"{self.codes.name} codes)"
+            )
+        return (
+            f"{n_options} options given; the prompt profile's labels label at most "
+            f"{self.max_options} options"
+        )
 
     def texts(self, n_options: int) -> list[str]:
         """The labels the prompt shows for a question with ``n_options`` options."""
         if n_options <= self.max_letters:
-            return list(LETTERS[:n_options])
+            return list(self.singles[:n_options])
+        assert self.codes is not None
         return list(self.codes.texts[:n_options])
 
     def paths(self, n_options: int) -> Paths | None:
-        """The chain-rule readout for ``n_options`` codes; None when letters label them."""
-        return None if n_options <= self.max_letters else self.codes.paths(n_options)
+        """The chain-rule readout for ``n_options`` codes; None when single tokens label them."""
+        if n_options <= self.max_letters:
+            return None
+        assert self.codes is not None
+        return self.codes.paths(n_options)
 
     @classmethod
-    def of(cls, llama: Llama) -> Labels:
+    def of(cls, llama: Llama, label_set: LabelSet = "letters") -> Labels:
         """The labels of this model's vocabulary; ``LabelVocabularyError`` when none are usable."""
         return cls.from_vocabulary(
             lambda text: llama.tokenize(text, special=False).tolist(),
             lambda token: llama.piece_bytes(token, special=True),
             llama.path.name,
+            label_set,
         )
 
     @classmethod
-    def from_vocabulary(cls, tokenize: Tokenize, piece: Piece, name: str) -> Labels:
+    def from_vocabulary(
+        cls, tokenize: Tokenize, piece: Piece, name: str, label_set: LabelSet = "letters"
+    ) -> Labels:
         """The labels of a vocabulary given as its tokenizer and token texts."""
-        columns = []
-        for lead in SPELLINGS:
-            ids = []
-            for letter in LETTERS:
-                toks = tokenize(lead + letter)
-                text = piece(int(toks[0])) if len(toks) == 1 else b""
-                if text.decode("utf-8", "replace") != lead + letter:
-                    break
-                ids.append(int(toks[0]))
-            if len(ids) == len(LETTERS) and len(set(ids)) == len(ids):
-                columns.append(ids)
-        if not columns:
+        if label_set == "letters":
+            return cls._letters(tokenize, piece, name)
+        texts = list(DIGITS) if label_set == "digits" else list(label_set)
+        singles = _single_tokens(texts, tokenize, piece)
+        if singles is not None:
+            return cls(singles, None, tuple(texts), len(texts))
+        codes = code_set("labels", texts, tokenize, piece, max_tokens=2)
+        if codes is None:
+            long = [t for t in texts if min(len(tokenize(t)), len(tokenize(" " + t))) > 2]
+            why = (
+                f"label {_describe(long[0], tokenize, piece)}"
+                if long
+                else "their tokens collide, or one label's tokens start another's"
+            )
+            raise LabelVocabularyError(
+                f"{name}: the profile's labels are neither single tokens nor distinct, "
+                f"prefix-free two-token codes in this vocabulary: {why}; refusing to start"
+            )
+        return cls(np.zeros((0, len(codes.spellings)), dtype=np.int64), codes, (), len(texts))
+
+    @classmethod
+    def _letters(cls, tokenize: Tokenize, piece: Piece, name: str) -> Labels:
+        merged = _single_tokens(LETTERS, tokenize, piece)
+        if merged is None:
             raise LabelVocabularyError(
                 f"{name}: the letters A-Z are not single, distinct, round-trip "
                 "tokens in this vocabulary, so option labels cannot be read; refusing to start"
             )
-        merged = np.array(columns, dtype=np.int64).T
-        if (
-            len({tuple(row) for row in merged}) != len(merged)
-            or len(np.unique(merged)) != merged.size
-        ):
-            raise LabelVocabularyError("label token variants collide across letters")
         codes = choose_codes(tokenize, piece)
         if codes is None:
             tried = ", ".join(n for n, _ in CANDIDATES)

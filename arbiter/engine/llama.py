@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -62,6 +62,10 @@ _FILE_TYPES = {
     38: "MXFP4",
 }
 
+# SentencePiece and byte-level BPE: every input byte ends up in some token's piece (no normalizer
+# drops or folds characters), so a token never covers more input bytes than its piece holds.
+_BYTE_PRESERVING = {1, 2}  # LLAMA_VOCAB_TYPE_SPM, LLAMA_VOCAB_TYPE_BPE
+
 # Called with (position in the decoded stream, index in its slice) for each position whose logits
 # were asked for, right after the slice that computed them, while they are readable.
 OnOutput = Callable[[int, int], None]
@@ -108,21 +112,26 @@ class Llama:
     engine serializes that; tokenizing and token texts take a lock of their own, so :meth:`close`
     never frees the vocabulary under a running call."""
 
-    def __init__(self, path: Path, settings: EngineSettings) -> None:
-        """Load the model and its vocabulary; :meth:`open_context` makes the context."""
+    def __init__(self, path: Path, settings: EngineSettings, *, vocab_only: bool = False) -> None:
+        """Load the model and its vocabulary; :meth:`open_context` makes the context.
+
+        ``vocab_only``: the vocabulary and metadata alone (no weights: the prompts of a model can
+        be rendered and counted, nothing decoded)."""
         self.path = path
         self._tok_lock = threading.Lock()
         self._closed = False
         self._model: Any = None
         self._ctx: Any = None
+        self._adapters: list[Any] = []  # LoRA adapters (load_adapters), freed with the model
+        self._interrupt: Callable[[], None] | None = None
         backends.init()
         try:
-            self._load(settings)
+            self._load(settings, vocab_only)
         except BaseException:
             self.close()  # a model refused part-way through loading frees what it had
             raise
 
-    def _load(self, s: EngineSettings) -> None:
+    def _load(self, s: EngineSettings, vocab_only: bool) -> None:
         if s.n_gpu_layers != 0 and not llama_cpp.llama_supports_gpu_offload():
             raise ModelLoadError(
                 f"n_gpu_layers={s.n_gpu_layers} was asked for, but this llama.cpp build has no GPU "
@@ -130,6 +139,7 @@ class Llama:
             )
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = 10_000 if s.n_gpu_layers < 0 else s.n_gpu_layers
+        mparams.vocab_only = vocab_only
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}")
@@ -177,6 +187,33 @@ class Llama:
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = NumpyBatch(self.n_batch)
+
+    def load_adapters(self, adapters: Sequence[tuple[Path, float]]) -> None:
+        """Load LoRA adapters on the model and apply them to the context at their scales
+        (``arbiter.lora`` has checked each against the model's tensors first)."""
+        self._adapters = []
+        for path, _ in adapters:
+            handle = llama_cpp.llama_adapter_lora_init(self._model, str(path).encode())
+            if not handle:
+                raise ModelLoadError(
+                    f"refusing to start: llama.cpp could not load the LoRA adapter {path} "
+                    "(its log line says why)"
+                )
+            self._adapters.append(handle)
+        self.set_adapter_scales([scale for _, scale in adapters])
+
+    def set_adapter_scales(self, scales: Sequence[float]) -> None:
+        """Apply the loaded adapters at ``scales`` (0: not applied; the base model's numbers)."""
+        n = len(self._adapters)
+        if len(scales) != n:
+            raise ValueError(f"{len(scales)} scales for {n} adapters")
+        if n == 0:
+            return
+        handles = (llama_cpp.llama_adapter_lora_p_ctypes * n)(*self._adapters)
+        values = (ctypes.c_float * n)(*scales)
+        rc = llama_cpp.llama_set_adapters_lora(self._ctx, handles, n, values)
+        if rc != 0:
+            raise ModelLoadError(f"llama.cpp refused to apply the LoRA adapters (status {rc})")
 
     # -- lifetime ----------------------------------------------------------------------------------
 
@@ -257,6 +294,20 @@ class Llama:
             llama_cpp.llama_tokenize(self._vocab, data, len(data), out, len(buf), False, special)
         )
 
+    def max_piece_bytes(self) -> int:
+        """The most bytes one token of caller text can cover (``engine.cost``); 0 for a
+        tokenizer that normalizes text (it may drop bytes, so no floor holds)."""
+        if int(llama_cpp.llama_vocab_type(self._vocab)) not in _BYTE_PRESERVING:
+            return 0
+        longest = 0
+        buf = ctypes.create_string_buffer(256)
+        with self._tok_lock:
+            self.check_open()
+            for token in range(self.n_vocab):
+                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+                longest = max(longest, n if n >= 0 else -n)  # -n: the length it would need
+        return longest
+
     def piece_bytes(self, token: int, *, special: bool = False) -> bytes:
         """The raw bytes of a token (without ``special``, control tokens render as nothing).
 
@@ -274,6 +325,11 @@ class Llama:
                 n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[: max(n, 0)]
 
+    def piece_text(self, token: int) -> str:
+        """The text of one token, control tokens included ("" for an id outside the vocabulary,
+        e.g. a missing BOS)."""
+        return self.piece_bytes(token, special=True).decode("utf-8", "replace")
+
     def is_control(self, token: int) -> bool:
         if not 0 <= token < self.n_vocab:
             return False
@@ -283,6 +339,13 @@ class Llama:
 
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    @contextmanager
+    def vocabulary(self) -> Iterator[Any]:
+        """The vocabulary's handle, for the sampler module; :meth:`close` waits for the block."""
+        with self._tok_lock:
+            self.check_open()
+            yield self._vocab
 
     # -- the KV cache ------------------------------------------------------------------------------
 
@@ -308,22 +371,41 @@ class Llama:
         """Drop positions ``[start, end)`` of sequence ``seq`` (-1: open-ended)."""
         llama_cpp.llama_memory_seq_rm(self._mem, seq, start, end)
 
-    def save(self, limit: int) -> bytes | None:
-        """Sequence 0's state, copied once; None when it is over ``limit`` bytes (not copied)."""
+    def save(self, limit: int) -> bytearray | None:
+        """Sequence 0's state, copied once (llama.cpp writes it straight into the buffer that is
+        kept); None when it is over ``limit`` bytes (not copied)."""
         size = int(llama_cpp.llama_state_seq_get_size(self._ctx, 0))
         if size > limit:
             return None
-        buf = (ctypes.c_uint8 * size)()
-        written = int(llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, 0))
-        return ctypes.string_at(buf, written)
+        state = bytearray(size)
+        view = (ctypes.c_uint8 * size).from_buffer(state)
+        written = int(llama_cpp.llama_state_seq_get_data(self._ctx, view, size, 0))
+        del view  # the export ends, so the buffer may shrink in place
+        if written < size:
+            del state[written:]
+        return state
 
-    def restore(self, state: bytes) -> bool:
+    def restore(self, state: bytes | bytearray) -> bool:
         """Sequence 0 from a saved state; False when llama.cpp refuses it (part may be written)."""
-        # llama.cpp only reads the buffer: pass the bytes object's own memory, no copy.
-        buf = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
+        # llama.cpp only reads the buffer: pass the object's own memory, no copy.
+        if isinstance(state, bytearray):
+            buf: Any = (ctypes.c_uint8 * len(state)).from_buffer(state)
+        else:
+            buf = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
         return bool(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(state), 0))
 
     # -- decoding ----------------------------------------------------------------------------------
+
+    @contextmanager
+    def interruptible(self, check: Callable[[], None] | None) -> Iterator[None]:
+        """``check`` runs before every ``llama_decode`` call in the block (never inside one: a
+        call cannot be stopped); whatever it raises ends the decode there. The caller holds the
+        lock that serializes decoding, so one check is active at a time."""
+        self._interrupt = check
+        try:
+            yield
+        finally:
+            self._interrupt = None
 
     def decode(
         self,
@@ -343,6 +425,8 @@ class Llama:
                     f"a decode slice asks for {outputs} outputs; the context holds "
                     f"{self.n_outputs_max} (one per sequence)"
                 )
+            if self._interrupt is not None:
+                self._interrupt()
             self._batch.fill(
                 tokens[start:stop], pos[start:stop], seqs[start:stop], want[start:stop]
             )

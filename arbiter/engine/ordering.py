@@ -27,7 +27,6 @@ from arbiter.schema import (
     MAX_ORDER_SAMPLES,
     DecisionRequest,
     DecisionResult,
-    PromptInfo,
     Timing,
 )
 
@@ -134,11 +133,11 @@ def merge_one(
             "choice": ids[int(np.argmax(probs))],
             "allowed_mass": float(np.mean([r.allowed_mass for r in results])),
             "temperature": float(temperature),
-            "prompt": PromptInfo(
-                sha256=first.prompt.sha256,
-                version=f"{first.prompt.version}+order-{len(results)}",
-                input_tokens=sum(r.prompt.input_tokens for r in results),
-                prefix_tokens=first.prompt.prefix_tokens,
+            "prompt": first.prompt.model_copy(
+                update={
+                    "version": f"{first.prompt.version}+order-{len(results)}",
+                    "input_tokens": sum(r.prompt.input_tokens for r in results),
+                }
             ),
             "timing": _timing(results),
         }

@@ -1,4 +1,6 @@
-"""A byte-bounded LRU of saved sequence states, keyed by the prefix tokens they hold."""
+"""A byte-bounded LRU of saved sequence states, keyed by the prefix tokens they hold.
+
+A state is kept as the buffer llama.cpp wrote it into (``Llama.save``): never copied again."""
 
 from __future__ import annotations
 
@@ -7,9 +9,13 @@ from collections import OrderedDict
 
 import numpy as np
 
+State = bytes | bytearray
 
-def prefix_key(model_sha256: str, tokens: np.ndarray) -> str:
-    digest = hashlib.sha256(model_sha256.encode())
+
+def prefix_key(weights_id: str, tokens: np.ndarray) -> str:
+    """The key of a saved prefix: the weights it was computed with (the model's sha256 and any
+    adapter's, with its scale) and its tokens."""
+    digest = hashlib.sha256(weights_id.encode())
     digest.update(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
     return digest.hexdigest()
 
@@ -19,7 +25,7 @@ class PrefixCache:
 
     def __init__(self, limit_bytes: int) -> None:
         self.limit_bytes = limit_bytes
-        self._entries: OrderedDict[str, bytes] = OrderedDict()
+        self._entries: OrderedDict[str, State] = OrderedDict()
         self.bytes_used = 0
         self.hits = 0
         self.misses = 0
@@ -31,7 +37,7 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> State | None:
         state = self._entries.get(key)
         if state is None:
             self.misses += 1
@@ -40,7 +46,7 @@ class PrefixCache:
         self.hits += 1
         return state
 
-    def put(self, key: str, state: bytes) -> None:
+    def put(self, key: str, state: State) -> None:
         if len(state) > self.limit_bytes:
             return
         old = self._entries.pop(key, None)

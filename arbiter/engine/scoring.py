@@ -16,65 +16,26 @@ result does not depend on what else is in the request or on the cache (README, N
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from arbiter import prompt as prompts
-from arbiter.engine.labels import CodeReadout, Labels, Paths
+from arbiter.engine.budget import Budget, Speed
+from arbiter.engine.cost import CostFloor
+from arbiter.engine.labels import Labels
 from arbiter.engine.llama import Llama
 from arbiter.engine.prefix_cache import PrefixCache, prefix_key
+from arbiter.engine.preparing import Group, Prepared, Preparer, decision_error
 from arbiter.engine.probabilities import logsumexp, softmax
-from arbiter.errors import (
-    ArbiterError,
-    ContextLengthExceeded,
-    EngineFailure,
-    InvalidDecision,
-    TooManyOptions,
-)
-from arbiter.logging import get_logger
-from arbiter.schema import (
-    MAX_OPTIONS,
-    DecisionRequest,
-    DecisionResult,
-    ModelInfo,
-    PromptInfo,
-    Timing,
-)
+from arbiter.engine.prompting import Prompts
+from arbiter.errors import EngineFailure, InvalidDecision
+from arbiter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
 from arbiter.scorer import Outcome
 from arbiter.settings import EngineSettings
-
-log = get_logger("arbiter.engine")
-
-
-@dataclass
-class Prepared:
-    """A validated decision turned into tokens, waiting for its group's forward pass."""
-
-    index: int
-    request: DecisionRequest
-    tokens: np.ndarray
-    prompt_sha256: str
-    prompt_version: str
-    tokenize_s: float
-    paths: Paths | None = None  # codes: the label decode to run after the suffix
-    readout: CodeReadout | None = None
-    readout_s: float = 0.0
-    logits: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    full_lse: float = 0.0
-
-    @property
-    def label_cells(self) -> int:
-        """KV cells the label decode takes after the prompt (0 for letters)."""
-        return self.paths.cells if self.paths is not None else 0
-
-    @property
-    def label_branches(self) -> int:
-        return len(self.paths.branches) if self.paths is not None else 0
 
 
 @dataclass
@@ -90,60 +51,6 @@ def context_sequences(settings: EngineSettings, labels: Labels) -> int:
     return max(settings.max_branches + 1, 2 + labels.max_branches)
 
 
-class Prompts:
-    """Decisions as the model reads them: the rendered text and its tokens (``arbiter.prompt``
-    around the model's chat template). Caller text is tokenized without special-token parsing."""
-
-    def __init__(self, llama: Llama, layout: prompts.PromptLayout, labels: Labels) -> None:
-        self.llama = llama
-        self.layout = layout
-        self.labels = labels
-        head = llama.tokenize(self.layout.head, special=True)
-        if llama.add_bos and (len(head) == 0 or head[0] != llama.bos):
-            head = np.concatenate([np.array([llama.bos], dtype=np.int32), head])
-        self.head = head
-        self.tail = llama.tokenize(self.layout.tail, special=True)
-
-    def content(self, text: str) -> np.ndarray:
-        return self.llama.tokenize(text, special=False)
-
-    def render(self, request: DecisionRequest) -> prompts.RenderedContent:
-        return prompts.render_content(
-            self.layout,
-            prompts.state_text(request.state),
-            request.question,
-            [o.description for o in request.options],
-            self.labels.texts(len(request.options)),
-        )
-
-    def version(self, request: DecisionRequest) -> str:
-        return prompts.version(self.layout, self.labels.texts(len(request.options)))
-
-    def text(self, request: DecisionRequest) -> str:
-        return prompts.full_text(self.layout, self.render(request))
-
-    def tokens(self, rendered: prompts.RenderedContent) -> np.ndarray:
-        return np.concatenate([self.head, self.content(rendered.text), self.tail])
-
-    def state_prefix(self, state: str) -> np.ndarray:
-        """The tokens every prompt over ``state`` starts with, as the state tokenizes alone."""
-        return np.concatenate([self.head, self.content(prompts.state_prefix(self.layout, state))])
-
-
-def decision_error(exc: Exception) -> ArbiterError:
-    """Any failure while scoring one decision, as that decision's typed error."""
-    if isinstance(exc, ArbiterError):
-        return exc
-    if isinstance(exc, UnicodeError):
-        return InvalidDecision(f"the text is not valid Unicode: {exc}", code="invalid_text")
-    log.error("decision_failed", error=repr(exc), exc_info=exc)
-    return EngineFailure(f"this decision could not be scored ({type(exc).__name__}); see the log")
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    mismatch = np.flatnonzero(a[:n] != b[:n])
-    return int(mismatch[0]) if len(mismatch) else n
 
 
 class Scoring:
@@ -155,116 +62,85 @@ class Scoring:
         llama: Llama,
         prompts_: Prompts,
         labels: Labels,
-        model_sha256: str,
+        weights_id: str,
         model_info: ModelInfo,
+        cost: CostFloor,
     ) -> None:
         self.llama = llama
         self.prompts = prompts_
         self.labels = labels
-        self.model_sha256 = model_sha256
+        self.weights_id = weights_id  # the model and its adapters (``lora.weights_id``)
         self.model_info = model_info
+        self.preparer = Preparer(prompts_, labels, cost)
+        self.speed = Speed()  # seconds per decoded token, for the time budget's estimates
 
     def score(
-        self, decisions: Sequence[DecisionRequest], settings: EngineSettings, cache: PrefixCache
+        self,
+        decisions: Sequence[DecisionRequest],
+        settings: EngineSettings,
+        cache: PrefixCache,
+        budget: Budget | None = None,
     ) -> list[Outcome]:
-        """Outcomes in input order; a decision that cannot be scored gets its typed error."""
+        """Outcomes in input order; a decision that cannot be scored gets its typed error.
+
+        Every decision is tokenized first; with a ``budget``, the tokens the request would decode
+        are checked against it before any is decoded, group by group as they are tokenized (a
+        refusal raises for the whole call, and stops tokenizing once the request is over), and
+        it is checked again before each group is decoded (``Budget.interrupt``)."""
         outcomes: list[Outcome | None] = [None] * len(decisions)
-        groups: dict[str, list[tuple[int, DecisionRequest]]] = {}
+        # One group per state and layout (questions with codes have an instruction of their own).
+        members: dict[tuple[str, prompts.PromptLayout], list[tuple[int, DecisionRequest]]] = {}
         for i, request in enumerate(decisions):
             try:
-                groups.setdefault(prompts.state_text(request.state), []).append((i, request))
+                key = (
+                    prompts.state_text(request.state),
+                    self.prompts.layout_for(len(request.options)),
+                )
+                members.setdefault(key, []).append((i, request))
             except Exception as exc:  # a state that is not JSON (only without the schema)
                 outcomes[i] = decision_error(exc)
-        for state, members in groups.items():
-            for index, outcome in self._score_state(state, members, settings, cache):
+        groups: list[Group] = []
+        tokens = 0
+        for (state, layout), group_members in members.items():
+            group, errors = self.preparer.group(state, layout, group_members)
+            for index, error in errors:
+                outcomes[index] = error
+            if group is not None:
+                groups.append(group)
+                tokens += group.tokens
+                if budget is not None:  # over already: the rest is not tokenized
+                    budget.check_tokens(tokens, None, floor=True)
+        if budget is not None:
+            budget.check_tokens(tokens, self.speed.seconds_per_token, floor=False)
+        for group in groups:
+            for index, outcome in self._score_group(group, settings, cache, budget):
                 outcomes[index] = outcome
         return [o if o is not None else EngineFailure("not scored") for o in outcomes]
 
-    def _prepare(self, index: int, request: DecisionRequest) -> Prepared:
-        started = time.perf_counter()
-        n_options = len(request.options)
-        if n_options > MAX_OPTIONS:
-            raise TooManyOptions(
-                f"{n_options} options given; at most {MAX_OPTIONS} options are supported "
-                f"(up to {self.labels.max_letters} are labelled with letters, more with "
-                f"{self.labels.codes.name} codes)",
-                param="options",
-            )
-        paths = self.labels.paths(n_options)
-        content = self.prompts.render(request)
-        tokens = self.prompts.tokens(content)
-        # Reading codes takes KV cells of its own after the prompt: counted here, before any
-        # llama.cpp call, with the prompt.
-        label_cells = paths.cells if paths is not None else 0
-        if len(tokens) + label_cells > self.llama.n_ctx:
-            name, name_tokens = self._longest_field(request)
-            labels = (
-                f" and reading its {n_options} option codes takes {label_cells} more"
-                if label_cells
-                else ""
-            )
-            raise ContextLengthExceeded(
-                f"the prompt is {len(tokens)} tokens ({name} {name_tokens}){labels}; the context "
-                f"holds {self.llama.n_ctx} tokens. Nothing is truncated: shorten {name} or raise "
-                "ARBITER_N_CTX",
-                param=name,
-            )
-        text = prompts.full_text(self.prompts.layout, content)
-        return Prepared(
-            index=index,
-            request=request,
-            tokens=tokens,
-            prompt_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
-            prompt_version=self.prompts.version(request),
-            tokenize_s=time.perf_counter() - started,
-            paths=paths,
-        )
-
-    def _longest_field(self, request: DecisionRequest) -> tuple[str, int]:
-        """The field of a too-long decision that holds the most tokens, and its count."""
-        fields = {
-            "state": prompts.state_text(request.state),
-            "question": request.question,
-            **{f"options.{i}.description": o.description for i, o in enumerate(request.options)},
-        }
-        counts = {name: len(self.prompts.content(text)) for name, text in fields.items()}
-        name = max(counts, key=lambda k: counts[k])
-        return name, counts[name]
-
-    def _score_state(
+    def _score_group(
         self,
-        state: str,
-        members: list[tuple[int, DecisionRequest]],
+        group: Group,
         settings: EngineSettings,
         cache: PrefixCache,
+        budget: Budget | None,
     ) -> list[tuple[int, Outcome]]:
-        results: list[tuple[int, Outcome]] = []
-        prepared: list[Prepared] = []
-        for index, request in members:
-            try:
-                prepared.append(self._prepare(index, request))
-            except Exception as exc:
-                results.append((index, decision_error(exc)))
-        if not prepared:
-            return results
+        prepared = group.prepared
         try:
+            if budget is not None:
+                budget.interrupt()  # the client left, or the time is spent: not started
             with self.llama.kv_cleared():
-                started = time.perf_counter()
-                state_prefix = self.prompts.state_prefix(state)
-                # The prefix is a true token prefix of every prompt by construction: the longest
-                # run the state's own tokenization shares with each full prompt (BPE merges at the
-                # boundary fall outside it), and always at least one token short of the shortest.
-                shared = min(_common_prefix(state_prefix, p.tokens) for p in prepared)
-                shared = min(shared, min(len(p.tokens) for p in prepared) - 1)
-                group_tokenize_s = time.perf_counter() - started
-                run = self._forward(prepared[0].tokens[:shared], prepared, settings, cache)
+                run = self._forward(prepared[0].tokens[: group.shared], prepared, settings, cache)
         except Exception as exc:  # the group's shared prefill failed: each member says so
             error = decision_error(exc)
-            return results + [(p.index, error) for p in prepared]
+            return [(p.index, error) for p in prepared]
+        self.speed.observe(
+            group.tokens - (group.shared if run.cache == "hit" else 0), run.prefill_s
+        )
+        results: list[tuple[int, Outcome]] = []
         for p in prepared:
             try:
                 temperature = p.request.temperature or settings.temperature
-                results.append((p.index, self._result(p, run, group_tokenize_s, temperature)))
+                results.append((p.index, self._result(p, run, group.tokenize_s, temperature)))
             except Exception as exc:
                 results.append((p.index, decision_error(exc)))
         return results
@@ -280,7 +156,7 @@ class Scoring:
         started = time.perf_counter()
         cache_state: Literal["hit", "miss", "off"] = "off"
         if cache.enabled:
-            key = prefix_key(self.model_sha256, prefix)
+            key = prefix_key(self.weights_id, prefix)
             saved = cache.get(key)
             if saved is not None and self.llama.restore(saved):
                 cache_state = "hit"
@@ -427,6 +303,8 @@ class Scoring:
                 version=p.prompt_version,
                 input_tokens=len(p.tokens),
                 prefix_tokens=run.prefix_tokens,
+                profile=self.model_info.prompt_profile,
+                profile_sha256=self.model_info.prompt_profile_sha256,
             ),
             timing=Timing(
                 tokenize_s=tokenize_s,

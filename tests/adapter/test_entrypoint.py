@@ -299,3 +299,21 @@ def test_the_model_baked_into_an_image_is_the_bundled_default(tmp_path: Path, de
     resolved = bundled_model(image_dir)
     assert resolved.path == baked and resolved.source == "bundled"
     assert sha256_file(baked) == resolved.expected_sha256
+
+
+def test_serve_listens_on_every_interface_in_a_container_unless_told(
+    clean_env: pytest.MonkeyPatch, model_dir: Path, capsys: Any
+) -> None:
+    """SageMaker reaches the container from outside it: the entrypoint sets 0.0.0.0, which
+    `arbiter serve` elsewhere no longer defaults to (127.0.0.1)."""
+    clean_env.setenv("SM_MODEL_DIR", str(model_dir))
+    code, stub = run(["serve"])
+    assert code == 0 and stub.calls[0][2]["ARBITER_HOST"] == "0.0.0.0"
+    assert json.loads(capsys.readouterr().err.strip().splitlines()[-1])["host"] == "0.0.0.0"
+    os.environ.pop("ARBITER_HOST")
+    clean_env.setenv("ARBITER_HOST", "10.0.0.7")
+    code, stub = run(["serve"])
+    assert code == 0 and stub.calls[0][2]["ARBITER_HOST"] == "10.0.0.7"
+    clean_env.delenv("ARBITER_HOST")
+    code, stub = run(["work"])
+    assert code == 0 and "ARBITER_HOST" not in stub.calls[0][2]

@@ -38,15 +38,17 @@ class FailingEngine(FakeEngine):
         super().__init__(**kw)
         self.fail_on = fail_on
 
-    def score(self, decisions: Sequence[DecisionRequest]) -> list[DecisionResult | ArbiterError]:
+    def score(
+        self, decisions: Sequence[DecisionRequest], budget: Any = None
+    ) -> list[DecisionResult | ArbiterError]:
         if self.calls + 1 == self.fail_on:
             self.calls += 1
             raise RuntimeError("simulated fault inside the engine")
-        return super().score(decisions)
+        return super().score(decisions, budget)
 
-    def generate(self, tokens: Any, *, max_tokens: int, on_text: Any = None, **kw: Any) -> Any:
-        if on_text is not None:
-            on_text("Hello")
+    def generate(self, tokens: Any, *, max_tokens: int, on_delta: Any = None, **kw: Any) -> Any:
+        if on_delta is not None:
+            on_delta(0, "Hello", None)
         raise RuntimeError("simulated fault while generating")
 
 
@@ -54,9 +56,23 @@ def jsonl(lines: list[str]) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
+# A stream whose end is never written would hang until pytest's timeout: every read of a streamed
+# body is bounded, so a broken in-band path fails in seconds and says so.
+STREAM_S = 20
+
+
+async def text_of(response: Any) -> str:
+    """The whole body of a streamed response, which must end (cleanly) within ``STREAM_S``."""
+    try:
+        async with asyncio.timeout(STREAM_S):
+            return str(await response.text())
+    except TimeoutError:
+        pytest.fail(f"the stream did not end within {STREAM_S} s (no clean end was written)")
+
+
 async def records(response: Any) -> list[dict[str, Any]]:
-    assert response.status == 200, await response.text()
-    return [json.loads(line) for line in (await response.text()).splitlines()]
+    assert response.status == 200, await text_of(response)
+    return [json.loads(line) for line in (await text_of(response)).splitlines()]
 
 
 # -- 9: an error after a stream started is written in-band, and the stream ends cleanly -----------
@@ -69,6 +85,81 @@ async def test_a_fault_mid_stream_is_an_error_line_per_input_line(make: Any) -> 
     assert [o["line"] for o in out] == [1, 2, 3, 4, 5, 6]
     assert ["result" in o for o in out] == [True, True, False, False, True, True]
     assert out[2]["error"]["code"] == "engine_failure" and out[2]["id"] == "d2"
+
+
+async def test_a_fault_outside_any_decision_makes_each_line_of_its_chunk_an_error(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault that escapes the scoring of a chunk (here: its metrics) fails that chunk's lines
+    one by one, and the stream goes on (``jsonlines.score_chunk``)."""
+    client = await make(jsonl_chunk=2)
+    metrics = client.server.app[STATE].metrics
+    observe = metrics.observe_decision
+    seen = 0
+
+    def flaky(outcome: Any) -> None:
+        nonlocal seen
+        seen += 1
+        if seen == 3:
+            raise RuntimeError("simulated fault outside the engine")
+        observe(outcome)
+
+    monkeypatch.setattr(metrics, "observe_decision", flaky)
+    lines = [json.dumps(decision_body(f"d{i}")) for i in range(6)]
+    out = await records(await client.post("/invocations", data=jsonl(lines), headers=JSONL))
+    assert [o["line"] for o in out] == [1, 2, 3, 4, 5, 6]
+    assert ["result" in o for o in out] == [True, True, False, False, True, True]
+    assert {o["error"]["code"] for o in out[2:4]} == {"engine_failure"}
+
+
+async def test_a_fault_after_a_jsonl_stream_started_ends_it_with_one_error_record(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Anything that escapes the handler once lines were sent is written in-band: each line of the
+    chunk in hand gets its error record (they were read; they used to be lost), then the error
+    middleware writes one last record for the next line and a clean end (no second status
+    line)."""
+    from adapter import jsonlines
+
+    client = await make(jsonl_chunk=2)
+    score_chunk = jsonlines.score_chunk
+    calls = 0
+
+    def failing(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("simulated fault between chunks")
+        return score_chunk(*args)
+
+    monkeypatch.setattr(jsonlines, "score_chunk", failing)
+    lines = [json.dumps(decision_body(f"d{i}")) for i in range(6)]
+    response = await client.post("/invocations", data=jsonl(lines), headers=JSONL)
+    text = await text_of(response)
+    assert "HTTP/1.1" not in text
+    out = [json.loads(line) for line in text.splitlines()]
+    assert [o["line"] for o in out] == [1, 2, 3, 4, 5]
+    assert "result" in out[0] and "result" in out[1]
+    assert all(o["id"] is None and o["error"]["code"] == "internal_error" for o in out[2:])
+
+
+async def test_a_client_that_stalls_mid_stream_gets_its_lines_then_the_timeout(make: Any) -> None:
+    """Lines read before a stall are answered first, then one ``body_read_timeout`` record
+    (``LinesResponse``'s own in-band path: without it the lines were lost in a bare 408)."""
+    client = await make(jsonl_chunk=100, body_read_timeout_s=0.5)
+    release = asyncio.Event()
+    lines = jsonl([json.dumps(decision_body(f"d{i}")) for i in range(3)])
+
+    async def stalled() -> Any:
+        yield lines
+        await release.wait()
+
+    response = await client.post("/invocations", data=stalled(), headers=JSONL)
+    out = await records(response)
+    release.set()
+    assert [o["line"] for o in out] == [1, 2, 3, 4]
+    assert all("result" in o for o in out[:3])
+    assert out[3]["error"]["code"] == "body_read_timeout"
 
 
 async def test_sixteen_good_lines_then_a_bracket_bomb(make: Any) -> None:
@@ -88,7 +179,7 @@ async def test_a_fault_mid_sse_stream_is_an_error_event_then_done(make: Any) -> 
         json={"messages": [{"role": "user", "content": "hi"}], "stream": True},
     )
     assert response.status == 200
-    events = [e.removeprefix("data: ") for e in (await response.text()).split("\n\n") if e]
+    events = [e.removeprefix("data: ") for e in (await text_of(response)).split("\n\n") if e]
     assert events[-1] == "[DONE]"
     payloads = [json.loads(e) for e in events[:-1]]
     assert payloads[1]["choices"][0]["delta"]["content"] == "Hello"

@@ -23,10 +23,11 @@ def test_file_round_trip_and_refusals(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"fitted on m\.gguf"):
         loaded.check_model("00" * 32, "other.gguf")
     raw = json.loads(path.read_text())
-    raw["temperatures"]["noul"] = -1
-    path.write_text(json.dumps(raw))
-    with pytest.raises(ModelLoadError, match="positive"):
-        cal.Calibration.load(path)
+    for bad in (-1, 0, 1e-310, 5e-324, 101, True, "2"):
+        raw["temperatures"]["noul"] = bad
+        path.write_text(json.dumps(raw))
+        with pytest.raises(ModelLoadError, match=r"from 0\.01 to 100"):
+            cal.Calibration.load(path)
     path.write_text("{}")
     with pytest.raises(ModelLoadError, match="arbiter-calibration-v1"):
         cal.Calibration.load(path)

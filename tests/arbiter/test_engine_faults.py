@@ -113,9 +113,12 @@ def test_concurrent_chat_tokenization_and_scoring_match_a_serial_run(engine: Eng
 
 
 def test_a_lone_surrogate_fails_only_its_own_decision(engine: Engine) -> None:
+    """Past the schema (its own layer, tests/arbiter/test_schema.py), the tokenizer refuses text
+    UTF-8 cannot hold, saying where (``Llama.tokenize``)."""
     bad = _unchecked(id="bad", question="Which queue? \ud800")
     outcomes = engine.score([decision("ok1"), bad, decision("ok2")])
     assert isinstance(outcomes[1], InvalidDecision) and outcomes[1].code == "invalid_text"
+    assert "surrogates not allowed at character" in outcomes[1].message
     assert _ok(outcomes[0]).id == "ok1" and _ok(outcomes[2]).id == "ok2"
     state = _unchecked(id="bad-state", state={"k": "\udfff"})
     outcomes = engine.score([state, decision("ok3")])
@@ -147,17 +150,35 @@ def test_non_finite_logits_fail_only_that_decision(
     assert _ok(outcomes[0]).id == "ok1" and _ok(outcomes[2]).id == "ok2"
 
 
+def test_a_unicode_error_from_anywhere_in_a_decision_is_its_invalid_text(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last layer (``preparing.decision_error``): a UnicodeError that no earlier check
+    caught is the decision's ``invalid_text``, not an ``engine_failure``."""
+    prepare = engine._scoring.preparer.prepare
+
+    def undecodable(index: int, request: DecisionRequest, state_bytes: int) -> Any:
+        if request.id == "bad":
+            b"\xff".decode("utf-8")
+        return prepare(index, request, state_bytes)
+
+    monkeypatch.setattr(engine._scoring.preparer, "prepare", undecodable)
+    outcomes = engine.score([decision("bad"), decision("ok")])
+    assert isinstance(outcomes[0], InvalidDecision) and outcomes[0].code == "invalid_text"
+    assert _ok(outcomes[1]).id == "ok"
+
+
 def test_an_unexpected_failure_in_one_decision_is_its_typed_error(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    prepare = engine._scoring._prepare
+    prepare = engine._scoring.preparer.prepare
 
-    def flaky(index: int, request: DecisionRequest) -> Any:
+    def flaky(index: int, request: DecisionRequest, state_bytes: int) -> Any:
         if request.id == "boom":
             raise RuntimeError("simulated fault")
-        return prepare(index, request)
+        return prepare(index, request, state_bytes)
 
-    monkeypatch.setattr(engine._scoring, "_prepare", flaky)
+    monkeypatch.setattr(engine._scoring.preparer, "prepare", flaky)
     outcomes = engine.score([decision("boom"), decision("ok")])
     assert isinstance(outcomes[0], EngineFailure) and outcomes[0].status == 500
     assert _ok(outcomes[1]).id == "ok"

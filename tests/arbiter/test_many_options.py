@@ -17,12 +17,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from arbiter import prompt as prompts
 from arbiter.engine import Engine
 from arbiter.engine.calibration import Calibration
 from arbiter.engine.labels import Labels, _prefix_free, choose_codes
 from arbiter.engine.probabilities import logsumexp, softmax
 from arbiter.errors import ContextLengthExceeded, LabelVocabularyError, TooManyOptions
+from arbiter.profiles import load_profile
 from arbiter.schema import MAX_OPTIONS, DecisionRequest, DecisionResult
 from arbiter.settings import EngineSettings
 from tests.aws import aws_clients, read_object
@@ -123,8 +123,18 @@ def test_up_to_26_options_the_prompt_is_unchanged_above_it_options_get_codes(
     assert "\nB0. Team 10: " in text and "\nC6. Team 26: " in text
     assert "Reply with one option's code only, from A0 to C6." in text
     assert "team-0" not in text and "team-26" not in text  # ids never reach the model
-    # The instruction and the state come first, unchanged: both share the state prefix.
-    assert text.split("Question:")[0] == engine.render_text(letters).split("Question:")[0]
+    # Issue 22: the codes prompt no longer asks for "the option's letter" before the reply line
+    # asks for a code; its instruction says codes, and the state comes right after it, unchanged.
+    builtin = load_profile(None).spec
+    assert builtin.codes_instruction is not None
+    assert builtin.codes_instruction in text and "letter" not in text
+    letters_text = engine.render_text(letters)
+    assert builtin.instruction in letters_text
+    after = [
+        t.split("Question:")[0].split(i, 1)[1]
+        for t, i in ((text, builtin.codes_instruction), (letters_text, builtin.instruction))
+    ]
+    assert after[0] == after[1]
 
 
 # The prompts of the commit before codes (305c6df), rendered there: sha256 of the whole text.
@@ -261,7 +271,7 @@ def test_each_codes_probability_is_the_product_of_its_tokens_decoded_on_its_own(
     eng: Engine = request.getfixturevalue(which)
     req = many(f"ref-{n}", n, state)
     result = _alone(eng, req)
-    assert result.prompt.version.startswith("arbiter-codes-v1/")
+    assert result.prompt.version.startswith("arbiter-codes-v2/")
     assert sum(result.probabilities) == pytest.approx(1.0, abs=1e-9)
     engine_p = np.exp(result.option_logits)  # option logits are the codes' log-probabilities
     assert result.allowed_mass == pytest.approx(engine_p.sum(), abs=1e-9)
@@ -285,8 +295,10 @@ def test_grouped_single_and_cache_hit_agree_with_many_options(engine: Engine) ->
     ]
     engine.cache.clear()
     grouped = [_ok(r) for r in engine.score(requests)]
-    prefix = grouped[0].prompt.prefix_tokens
-    assert all(r.prompt.prefix_tokens == prefix for r in grouped)  # one prefix for all
+    # The two questions with codes share one prefix; the lettered one has its own (the codes
+    # prompt's instruction differs since issue 22), each at least the instruction and the state.
+    assert grouped[0].prompt.prefix_tokens == grouped[2].prompt.prefix_tokens
+    assert min(r.prompt.prefix_tokens for r in grouped) > 40
     hits = [_ok(r) for r in engine.score(requests)]
     assert {r.prefix_cache for r in hits} == {"hit"}
     for request, g, h in zip(requests, grouped, hits, strict=True):
@@ -371,7 +383,10 @@ def test_the_context_check_counts_the_code_branches_before_llama_cpp(
     outcome = small.score([over])[0]
     assert isinstance(outcome, ContextLengthExceeded)
     assert "reading its 30 option codes takes 6 more" in outcome.message
-    assert "512" in outcome.message and outcome.param == "state"
+    # The 30 options together hold more of the prompt than the state: they are the part to shorten
+    # (this used to say "shorten state").
+    assert "512" in outcome.message and outcome.param == "options"
+    assert "30 options" in outcome.message
     assert calls == []  # refused before llama.cpp saw it
 
 
@@ -414,7 +429,7 @@ def test_generated_many_option_decisions_are_scored_or_refused_on_their_own(
 def test_order_samples_average_code_logits_by_option_id(engine: Engine) -> None:
     base = many("ord", 27, OTHER_STATE)
     merged = _ok(engine.score([base.model_copy(update={"order_samples": 2})])[0])
-    assert merged.prompt.version == "arbiter-codes-v1/plain+order-2"
+    assert merged.prompt.version == "arbiter-codes-v2/plain+order-2"
     assert merged.option_ids == [o.id for o in base.options]
     given = _alone(engine, base)
     reversed_ = _alone(engine, base.model_copy(update={"options": base.options[::-1]}))
@@ -496,7 +511,7 @@ async def test_json_lines_score_many_options_and_refuse_256_on_its_own_line(clie
     out = [json.loads(line) for line in (await response.text()).splitlines()]
     assert [o["id"] for o in out] == ["a", "b", "c"]
     assert len(out[0]["result"]["probabilities"]) == 40
-    assert out[0]["result"]["prompt"]["version"] == "arbiter-codes-v1/plain"
+    assert out[0]["result"]["prompt"]["version"] == "arbiter-codes-v2/plain"
     assert out[1]["error"]["code"] == "too_many_options" and "255" in out[1]["error"]["message"]
     assert out[2]["result"]["prompt"]["version"] == "arbiter-letters-v1/plain"
 
@@ -605,4 +620,4 @@ def test_prefix_free_check() -> None:
     assert _prefix_free([(1, 2), (1, 3), (2,)])
     assert not _prefix_free([(1, 2), (1,)])
     assert not _prefix_free([(1, 2), (1, 2)])
-    assert prompts.CODES_VERSION == "arbiter-codes-v1"
+    assert load_profile(None).codes_name == "arbiter-codes-v2"

@@ -163,4 +163,39 @@ def test_a_server_side_failure_is_not_reported_as_the_callers_422() -> None:
         systemone.assemble(
             req, [uniform_result(a), TooManyOptions("long", param="options.1.description")], "m"
         )
-    assert info.value.detail[0]["loc"] == ["body", "questions", "b", "criteria"]
+    assert info.value.detail[0]["loc"] == ["body", "questions", "b", "criteria", "false"]
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "state",
+    ["Order \ud800 arrived", {"k": ["ok", "\udfff"]}, {"deep": _nested(80)}],
+    ids=["surrogate", "surrogate in JSON", "nested 80 deep"],
+)
+def test_a_bad_state_is_named_at_body_state(state: Any) -> None:
+    """The state is one top-level field: it used to be reported at questions.<id>.criteria."""
+    body = {"model": "default", "state": state, "questions": {"a": {"type": "noul"}}}
+    request = systemone.parse_request(body)
+    with pytest.raises(systemone.SystemOneInvalid) as info:
+        systemone.to_decisions(request)
+    assert info.value.detail[0]["loc"] == ["body", "state"]
+
+
+def test_a_state_too_long_for_every_question_is_named_once_at_body_state() -> None:
+    from arbiter.errors import ContextLengthExceeded
+
+    req = _request(a={"type": "noul"}, b={"type": "choice", "criteria": {"x": None, "y": "Y"}})
+    too_long = ContextLengthExceeded("the prompt is 9000 tokens", param="state")
+    with pytest.raises(systemone.SystemOneInvalid) as info:
+        systemone.assemble(req, [too_long, too_long], "m")
+    assert [d["loc"] for d in info.value.detail] == [["body", "state"]]
+    long_option = ContextLengthExceeded("long", param="options.1.description")
+    with pytest.raises(systemone.SystemOneInvalid) as info:
+        systemone.refuse(req, [None, long_option])
+    assert info.value.detail[0]["loc"] == ["body", "questions", "b", "criteria", "y"]

@@ -3,6 +3,10 @@ broken benchmark fails here rather than when someone needs its figures."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from arbiter.engine import Engine
 from bench import engine_bench
 from bench.common import QUESTIONS, case_decision, sized_state
@@ -28,3 +32,26 @@ def test_the_floor_decodes_on_the_engines_context_and_leaves_it_clean(engine: En
     engine.cache.clear()
     assert len(reference_option_logits(engine, requests[0])) == 4
     assert not isinstance(engine.score(requests)[0], Exception)
+
+
+def test_the_adapter_rows_toggle_the_adapter_and_leave_it_applied(tmp_path: Path) -> None:
+    from arbiter.models import smollm2_path
+    from arbiter.settings import EngineSettings
+    from bench.lora_adapter import write_lora
+
+    model = smollm2_path()
+    assert model is not None
+    lora = write_lora(model, tmp_path / "lora.gguf", seed=1)
+    eng = Engine(EngineSettings(model=model, n_threads=2, n_ctx=2048, lora=f"{lora}:1"))
+    try:
+        request = case_decision(0, sized_state(eng, 9, 60))
+        before = eng.score([request])[0]
+        row = engine_bench.bench_adapter(eng, 150, repeats=1)
+        assert row["with_ms"] > 0 and row["without_ms"] > 0 and row["floor_with_ms"] > 0
+        assert row["with_vs_without"] > 0 and row["adapters"] == ["lora.gguf"]
+        eng.cache.clear()
+        after = eng.score([request])[0]
+        assert not isinstance(before, Exception) and not isinstance(after, Exception)
+        assert after.option_logits == pytest.approx(before.option_logits, abs=1e-3)
+    finally:
+        eng.close()

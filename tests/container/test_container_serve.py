@@ -91,6 +91,7 @@ def test_ping_answers_200_on_8080_within_the_stated_time(served: Container):
     assert status == 200, body
     [listening] = [e for e in served.events() if e.get("event") == "listening"]
     assert listening["port"] == 8080
+    assert listening["host"] == "0.0.0.0"  # the image's own setting (serve's default is loopback)
 
 
 def test_the_model_is_the_one_mounted_at_opt_ml_model(served: Container):

@@ -190,3 +190,37 @@ def test_eval_in_process_with_order_samples(tmp_path: Path) -> None:
     assert report["model"]["file"].endswith(".gguf")
     assert (tmp_path / "o" / "reliability.png").exists()
     assert "Order robustness:" in out.getvalue()
+
+
+def test_two_profiles_are_compared_on_one_labeled_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`arbiter eval --profile`: the same items under the built-in and a profile of one's own; each
+    report names its profile (version and sha256)."""
+    import hashlib
+
+    from arbiter.profiles import builtin_bytes
+
+    mine = (
+        builtin_bytes("arbiter-letters-v1")
+        .decode()
+        .replace('name = "arbiter-letters-v1"', 'name = "terse-v1"')
+        .replace("You are a careful decision maker. ", "")
+    )
+    profile = tmp_path / "terse.toml"
+    profile.write_text(mine)
+    task = DATA / "labeled-mini.jsonl"
+    reports = {}
+    for name, value in (("builtin", "arbiter-letters-v1"), ("mine", str(profile))):
+        out = tmp_path / name
+        argv = ["eval", str(task), "--profile", value, "--out", str(out), "--quiet"]
+        assert cmd_eval(_args(*argv), io.StringIO()) == 0
+        reports[name] = json.loads((out / "eval-report.json").read_text())
+    assert reports["builtin"]["prompt_version"] == "arbiter-letters-v1/plain"
+    assert reports["mine"]["prompt_version"] == "terse-v1/plain"
+    assert reports["mine"]["prompt_profile_sha256"] == hashlib.sha256(mine.encode()).hexdigest()
+    assert reports["builtin"]["prompt_profile_sha256"] != reports["mine"]["prompt_profile_sha256"]
+    assert reports["mine"]["overall"]["n"] == reports["builtin"]["overall"]["n"] == 3
+    # An endpoint serves the profile it was started with: --profile with --url is refused.
+    assert main(["eval", str(task), "--url", "http://127.0.0.1:9", "--profile", "x"]) == 2
+    assert "applies to the in-process engine" in capsys.readouterr().err

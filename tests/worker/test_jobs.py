@@ -205,3 +205,6 @@ async def test_a_lone_surrogate_line_is_one_error_line_with_the_real_engine(
             json.loads(x) for x in (await read_object(s3, "jobs", report.keys.results)).splitlines()
         ]
     assert [("result" in o, o["id"]) for o in out] == [(True, "d1"), (False, "d2"), (True, "d3")]
+    # The schema's layer answers (the engine's own is tested in tests/arbiter/test_engine_faults.py):
+    # with either layer removed, one of the two tests fails.
+    assert out[1]["error"]["code"] == "invalid_field" and out[1]["error"]["param"] == "state"

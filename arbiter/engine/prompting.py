@@ -1,0 +1,142 @@
+"""A model's decision prompts: the layout from its chat template (or the plain one), its labels, and
+decisions turned into the exact text and tokens that are prefilled.
+
+The engine scores with :class:`Prompts`; `arbiter prompt` prints with the same object built on a
+vocabulary-only load (:func:`open_prompts`), so what it shows is what the model reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from arbiter import prompt as prompts
+from arbiter.engine.labels import Labels
+from arbiter.engine.llama import Llama
+from arbiter.profiles import Profile
+from arbiter.schema import DecisionRequest
+from arbiter.settings import EngineSettings
+
+
+def prompt_sha256(text: str) -> str:
+    """The ``prompt.sha256`` a result reports: of the whole prefilled text, in UTF-8."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    mismatch = np.flatnonzero(a[:n] != b[:n])
+    return int(mismatch[0]) if len(mismatch) else n
+
+
+class Prompts:
+    """Decisions as the model reads them: the rendered text and its tokens (``arbiter.prompt``
+    around the model's chat template). Caller text is tokenized without special-token parsing.
+
+    Questions labelled with letters and with codes have a layout each (their instructions
+    differ); the state comes first in both, right after the instruction."""
+
+    def __init__(self, llama: Llama, layouts: prompts.Layouts, labels: Labels) -> None:
+        self.llama = llama
+        self.layouts = layouts
+        self.labels = labels
+        self._around: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for layout in (layouts.letters, layouts.codes):
+            head = llama.tokenize(layout.head, special=True)
+            if llama.add_bos and (len(head) == 0 or head[0] != llama.bos):
+                head = np.concatenate([np.array([llama.bos], dtype=np.int32), head])
+            self._around[id(layout)] = (head, llama.tokenize(layout.tail, special=True))
+
+    @property
+    def layout(self) -> prompts.PromptLayout:
+        """The layout of lettered questions (what most decisions read)."""
+        return self.layouts.letters
+
+    def layout_for(self, n_options: int) -> prompts.PromptLayout:
+        codes = n_options > self.labels.max_letters
+        return self.layouts.codes if codes else self.layouts.letters
+
+    def content(self, text: str) -> np.ndarray:
+        return self.llama.tokenize(text, special=False)
+
+    def render(self, request: DecisionRequest) -> prompts.RenderedContent:
+        n_options = len(request.options)
+        return prompts.render_content(
+            self.layout_for(n_options),
+            prompts.state_text(request.state),
+            request.question,
+            [o.description for o in request.options],
+            self.labels.texts(n_options),
+        )
+
+    def version(self, request: DecisionRequest) -> str:
+        n_options = len(request.options)
+        return prompts.version(self.layout_for(n_options))
+
+    def text(self, request: DecisionRequest) -> str:
+        return prompts.full_text(self.render(request))
+
+    def tokens(self, rendered: prompts.RenderedContent) -> np.ndarray:
+        head, tail = self._around[id(rendered.layout)]
+        return np.concatenate([head, self.content(rendered.text), tail])
+
+    def fewest_around(self) -> tuple[int, int]:
+        """The fewest template tokens before and after the content in any layout (what a floor
+        from bytes may count: ``cost``)."""
+        heads, tails = zip(*self._around.values(), strict=True)
+        return min(len(h) for h in heads), min(len(t) for t in tails)
+
+    def fixed_tokens(self, layout: prompts.PromptLayout) -> int:
+        """Tokens of the template around the content (head and tail) in ``layout``."""
+        head, tail = self._around[id(layout)]
+        return len(head) + len(tail)
+
+    def state_prefix(self, state: str, layout: prompts.PromptLayout) -> np.ndarray:
+        """The tokens every prompt over ``state`` in ``layout`` starts with, as the state
+        tokenizes alone."""
+        head, _ = self._around[id(layout)]
+        return np.concatenate([head, self.content(prompts.state_prefix(layout, state))])
+
+    def shared_prefix(
+        self, state: str, layout: prompts.PromptLayout, prompt_tokens: Sequence[np.ndarray]
+    ) -> int:
+        """How many tokens of the prompts over ``state`` in ``layout`` are prefilled once for all.
+
+        The longest run that the state's own tokenization shares with every full prompt (BPE
+        merges at the boundary fall outside it), so it is a true token prefix by construction, and
+        always at least one token short of the shortest prompt (its last token is decoded in its
+        branch, where its logits are read).
+        """
+        state_prefix = self.state_prefix(state, layout)
+        shared = min(_common_prefix(state_prefix, tokens) for tokens in prompt_tokens)
+        return min(shared, min(len(tokens) for tokens in prompt_tokens) - 1)
+
+
+def check_prompts(path: Path, settings: EngineSettings, profile: Profile) -> Prompts:
+    """The profile's prompts and labels built on the model's vocabulary alone (a start-up check
+    that loads no weights); raises what the engine's load would raise."""
+    llama = Llama(path, settings.model_copy(update={"n_gpu_layers": 0}), vocab_only=True)
+    try:
+        return open_prompts(llama, settings, profile)
+    finally:
+        llama.close()
+
+
+def open_prompts(llama: Llama, settings: EngineSettings, profile: Profile) -> Prompts:
+    """The decision prompts of a loaded model under ``profile`` (its vocabulary is all this
+    needs); ``LabelVocabularyError`` when the profile's labels do not tokenize soundly."""
+    template = llama.chat_template
+    if template:
+        layouts = prompts.chat_layouts(
+            template,
+            llama.piece_text(llama.bos),
+            llama.piece_text(llama.eos),
+            prompts.prompt_time(settings.prompt_date),
+            profile,
+        )
+    else:
+        layouts = prompts.plain_layouts(profile)
+    return Prompts(llama, layouts, Labels.of(llama, profile.spec.labels))

@@ -1,0 +1,142 @@
+"""`arbiter prompt FILE.jsonl`: for each decision, the exact text the engine prefills, its token
+count and how much of it is prefilled once for its state, so a user sees what the model saw.
+
+Built by the engine's own prompt object (``engine.prompting.Prompts``) on a vocabulary-only load of
+the same model, grouped by state the way ``arbiter decide`` groups a chunk, so the counts are the
+``prompt.input_tokens`` and ``prompt.prefix_tokens`` a result reports and the sha256 its
+``prompt.sha256``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from arbiter import prompt as prompts
+from arbiter.errors import ArbiterError, TooManyOptions
+from arbiter.lines import echo_id, parse_decision_line
+from arbiter.schema import MAX_OPTIONS, DecisionRequest
+
+if TYPE_CHECKING:
+    from arbiter.engine.prompting import Prompts
+
+    Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                yield number, line
+
+
+def describe(view: Prompts, chunk: Sequence[tuple[int, str]]) -> list[dict[str, Any]]:
+    """One record per line of a chunk: the decision's prompt, or the error the engine would give."""
+    from arbiter.engine.prompting import prompt_sha256
+
+    records: list[dict[str, Any]] = []
+    built: list[tuple[dict[str, Any], DecisionRequest, Any]] = []
+    for number, line in chunk:
+        try:
+            request = parse_decision_line(line)
+            if len(request.options) > MAX_OPTIONS:
+                raise TooManyOptions(
+                    f"{len(request.options)} options given; at most {MAX_OPTIONS} options are "
+                    "supported",
+                    param="options",
+                )
+            text = view.text(request)
+            tokens = view.tokens(view.render(request))
+        except ArbiterError as exc:
+            records.append({"line": number, "id": _id(line), "error": exc.to_dict()})
+            continue
+        record = {
+            "line": number,
+            "id": request.id,
+            "version": view.version(request),
+            "sha256": prompt_sha256(text),
+            "tokens": len(tokens),
+            "prefix_tokens": 0,
+            "text": text,
+        }
+        records.append(record)
+        built.append((record, request, tokens))
+    groups: dict[tuple[str, prompts.PromptLayout], list[tuple[dict[str, Any], Any]]] = {}
+    for record, request, tokens in built:
+        key = (prompts.state_text(request.state), view.layout_for(len(request.options)))
+        groups.setdefault(key, []).append((record, tokens))
+    for (state, layout), members in groups.items():
+        shared = view.shared_prefix(state, layout, [tokens for _, tokens in members])
+        for record, _ in members:
+            record["prefix_tokens"] = shared
+    return records
+
+
+def _id(line: str) -> Any:
+    try:
+        return echo_id(json.loads(line))
+    except ValueError:
+        return None
+
+
+def _write_text(record: dict[str, Any], out: TextIO) -> None:
+    if "error" in record:
+        error = record["error"]
+        out.write(f"### line {record['line']}: error {error['code']}: {error['message']}\n\n")
+        return
+    out.write(
+        f"### line {record['line']} id={record['id']}: {record['tokens']} tokens, "
+        f"{record['prefix_tokens']} prefilled once for its state; {record['version']}, "
+        f"sha256 {record['sha256'][:16]}\n{record['text']}\n\n"
+    )
+
+
+def cmd_prompt(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Print each decision's prompt; exit 1 when no line is a decision."""
+    out = out or sys.stdout
+    from arbiter.engine.llama import Llama
+    from arbiter.engine.prompting import open_prompts
+    from arbiter.models import resolve_model
+    from arbiter.profiles import resolve_profile
+    from arbiter.settings import EngineSettings
+
+    settings = EngineSettings()
+    if args.profile is not None:
+        settings = settings.model_copy(update={"prompt_profile": args.profile})
+    resolved = resolve_model(args.model or settings.model, settings.model_dir)
+    profile = resolve_profile(settings.prompt_profile, resolved)
+    llama = Llama(resolved.path, settings, vocab_only=True)
+    try:
+        view = open_prompts(llama, settings, profile)
+        lines = list(_lines(Path(args.file)))
+        failures = 0
+        for start in range(0, len(lines), args.chunk):
+            for record in describe(view, lines[start : start + args.chunk]):
+                failures += "error" in record
+                if args.json:
+                    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                else:
+                    _write_text(record, out)
+    finally:
+        llama.close()
+    return 1 if lines and failures == len(lines) else 0
+
+
+def register(sub: Subcommands) -> None:
+    command = sub.add_parser(
+        "prompt", help="print each decision's prompt as the model reads it (text, tokens, prefix)"
+    )
+    command.add_argument("file", help="one decision {id, state, question, options} per line")
+    command.add_argument("--model", type=Path, default=None, help="a .gguf (else ARBITER_MODEL...)")
+    command.add_argument(
+        "--chunk", type=int, default=64, help="lines grouped by state together (as arbiter decide)"
+    )
+    command.add_argument(
+        "--profile", default=None, help="a prompt profile (file or built-in name; else ARBITER_...)"
+    )
+    command.add_argument("--json", action="store_true", help="one JSON record per decision")
+    command.set_defaults(func=cmd_prompt)

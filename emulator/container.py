@@ -1,0 +1,88 @@
+"""The container side: what SageMaker sends to ``POST /invocations`` and what it passes back.
+
+SageMaker strips every request header but the ones its API names and maps them onto the container's
+request (``InvokeEndpoint``'s ``Content-Type`` and ``Accept``; the async and streaming operations'
+``X-Amzn-SageMaker-Content-Type`` / ``-Accept``), passes ``X-Amzn-SageMaker-Custom-Attributes`` and
+``-Inference-Id`` through, and on the way back keeps only the content type and the custom
+attributes the container set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
+INFERENCE_ID = "X-Amzn-SageMaker-Inference-Id"
+
+
+class ContainerUnreachable(Exception):
+    """No connection to the container (not started, crashed)."""
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """One request to the container, as SageMaker would send it."""
+
+    body: Any  # bytes, or an async iterator of bytes (an async payload streamed from S3)
+    content_type: str | None = None
+    accept: str | None = None
+    custom_attributes: str | None = None
+    inference_id: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        named = {
+            "Content-Type": self.content_type,
+            "Accept": self.accept,
+            CUSTOM_ATTRIBUTES: self.custom_attributes,
+            INFERENCE_ID: self.inference_id,
+        }
+        return {k: v for k, v in named.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    content_type: str | None
+    custom_attributes: str | None
+    body: bytes
+
+
+def passed_back(response: aiohttp.ClientResponse) -> tuple[str | None, str | None]:
+    """(content type, custom attributes) of a container response: all SageMaker keeps."""
+    return response.headers.get("Content-Type"), response.headers.get(CUSTOM_ATTRIBUTES)
+
+
+class Container:
+    """``POST {url}/invocations`` over one connection pool."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
+        self.url = url.rstrip("/") + "/invocations"
+        self.session = session
+
+    @asynccontextmanager
+    async def open(
+        self, invocation: Invocation, timeout_s: float
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """The container's response with its headers read; the body is the caller's to read within
+        the same ``timeout_s`` (``asyncio.TimeoutError`` past it)."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            async with self.session.post(
+                self.url, data=invocation.body, headers=invocation.headers(), timeout=timeout
+            ) as response:
+                yield response
+        except aiohttp.ClientConnectorError as exc:
+            raise ContainerUnreachable(f"cannot connect to the container at {self.url}") from exc
+
+    async def invoke(self, invocation: Invocation, timeout_s: float) -> Reply:
+        """The whole response (``asyncio.TimeoutError`` when it takes over ``timeout_s``)."""
+        async with asyncio.timeout(timeout_s), self.open(invocation, timeout_s) as response:
+            body = await response.read()
+            content_type, attributes = passed_back(response)
+            return Reply(response.status, content_type, attributes, body)

@@ -1,0 +1,85 @@
+"""`arbiter prompt FILE.jsonl`: what it prints is what the engine prefills (issue 20)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from arbiter.cli import main
+from arbiter.engine import Engine
+from arbiter.lines import parse_decision_line
+from arbiter.schema import DecisionResult
+from arbiter.show_prompt import cmd_prompt
+from tests import EXAMPLES
+from tests.fakes import decision_body
+
+
+def _records(path: Path, model: Path, capsys: pytest.CaptureFixture[str]) -> list[dict[str, object]]:
+    assert main(["prompt", str(path), "--json", "--model", str(model)]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+@pytest.mark.parametrize("which", ["engine", "chat_engine"])
+def test_each_prompt_is_the_one_the_engine_prefills_with_its_counts_and_sha256(
+    which: str, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    eng: Engine = request.getfixturevalue(which)
+    path = EXAMPLES / "decisions.jsonl"
+    records = _records(path, eng.resolved.path, capsys)
+    decisions = [parse_decision_line(line) for line in path.read_text().splitlines() if line.strip()]
+    eng.cache.clear()
+    results = eng.score(decisions)  # one call, grouped by state as arbiter decide groups a chunk
+    assert len(records) == len(results) == len(decisions) > 2
+    for record, result, decision in zip(records, results, decisions, strict=True):
+        assert isinstance(result, DecisionResult), result
+        assert record["id"] == result.id
+        assert record["text"] == eng.render_text(decision)
+        assert record["tokens"] == result.prompt.input_tokens
+        assert record["prefix_tokens"] == result.prompt.prefix_tokens
+        assert record["sha256"] == result.prompt.sha256
+        assert record["version"] == result.prompt.version
+    assert len({r["prefix_tokens"] for r in records}) < len(records)  # shared states share it
+
+
+def test_a_bad_line_is_its_error_beside_the_others(
+    engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "mixed.jsonl"
+    lines = [
+        json.dumps(decision_body("ok")),
+        "{not json",
+        json.dumps(decision_body("many", options=256)),
+        json.dumps({**decision_body("blank"), "question": " "}),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    records = _records(path, engine.resolved.path, capsys)
+    assert [r.get("id") for r in records] == ["ok", None, "many", "blank"]
+    assert "text" in records[0]
+    codes = [r["error"]["code"] for r in records[1:]]  # type: ignore[index]
+    assert codes == ["invalid_json", "too_many_options", "invalid_field"]
+
+
+def test_the_text_form_names_the_counts_and_prints_the_prompt(
+    engine: Engine, tmp_path: Path
+) -> None:
+    import argparse
+
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps(decision_body("d1")) + "\n")
+    out = io.StringIO()
+    args = argparse.Namespace(
+        file=str(path), model=engine.resolved.path, chunk=64, json=False, profile=None
+    )
+    assert cmd_prompt(args, out) == 0
+    request = parse_decision_line(path.read_text())
+    result = engine.score([request])[0]
+    assert isinstance(result, DecisionResult)
+    printed = out.getvalue()
+    assert printed.startswith(
+        f"### line 1 id=d1: {result.prompt.input_tokens} tokens, "
+        f"{result.prompt.prefix_tokens} prefilled once for its state"
+    )
+    assert engine.render_text(request) in printed

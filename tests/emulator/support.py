@@ -1,0 +1,161 @@
+"""The local SageMaker runtime under test: a container (the real adapter, or a stand-in that
+misbehaves on purpose), the front in front of it, moto for S3 and SNS, and boto3's real clients."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import boto3
+from aiohttp import web
+from botocore.config import Config
+
+from adapter.app import create_app as create_container
+from arbiter.engine import Engine
+from arbiter.settings import ServerSettings
+from emulator.app import create_app as create_front
+from emulator.settings import RuntimeSettings
+from tests.aws import CREDS
+from tests.live_server import serve
+
+BUCKET = "arbiter-jobs"
+
+
+@contextlib.contextmanager
+def container(
+    engine: Any,
+    ready_path: str = "/ping",
+    factory: Callable[[], Any] | None = None,
+    **settings: Any,
+) -> Iterator[str]:
+    """The real adapter over ``engine`` (the session's real one is not closed after), on loopback."""
+    server = ServerSettings(**{"max_in_flight": 1, "max_queue": 8, **settings})
+    app = create_container(
+        server, factory or (lambda: engine), close_engine=not isinstance(engine, Engine)
+    )
+    with serve(app, ready_path=ready_path) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def front(
+    container_url: str, moto: str, clock: Callable[[], float] | None = None, **kw: Any
+) -> Iterator[str]:
+    settings = RuntimeSettings(
+        container_url=container_url, aws_endpoint_url=moto, port=0, drain_s=0, **kw
+    )
+    app = create_front(settings, clock=clock) if clock else create_front(settings)
+    with serve(app, ready_path="/metrics") as url:
+        yield url
+
+
+OPEN_CLIENTS: list[Any] = []  # closed after each test (tests/emulator/conftest.py)
+
+
+def runtime(url: str, **config: Any) -> Any:
+    """boto3's sagemaker-runtime client, as an application builds it, pointed at ``url``."""
+    client = boto3.client(
+        "sagemaker-runtime",
+        endpoint_url=url,
+        region_name="us-east-1",
+        config=Config(**config) if config else None,
+        **CREDS,
+    )
+    OPEN_CLIENTS.append(client)
+    return client
+
+
+def aws(service: str, moto: str) -> Any:
+    client = boto3.client(service, endpoint_url=moto, region_name="us-east-1", **CREDS)
+    OPEN_CLIENTS.append(client)
+    return client
+
+
+def make_bucket(moto: str) -> Any:
+    s3 = aws("s3", moto)
+    s3.create_bucket(Bucket=BUCKET)
+    return s3
+
+
+def subscribe(moto: str) -> dict[str, str]:
+    """An SQS queue on each of the template's async topics (they exist once the front is up):
+    {"success": queue url, "error": queue url}."""
+    sns, sqs = aws("sns", moto), aws("sqs", moto)
+    queues = {}
+    for topic in sns.list_topics()["Topics"]:
+        arn = topic["TopicArn"]
+        kind = "success" if arn.endswith("AsyncSuccessTopic") else "error"
+        url = sqs.create_queue(QueueName=f"notified-{kind}")["QueueUrl"]
+        queue_arn = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])[
+            "Attributes"
+        ]["QueueArn"]
+        sns.subscribe(
+            TopicArn=arn,
+            Protocol="sqs",
+            Endpoint=queue_arn,
+            Attributes={"RawMessageDelivery": "true"},
+        )
+        queues[kind] = url
+    return queues
+
+
+def notifications(moto: str, url: str, want: int = 1, wait_s: int = 20) -> list[dict[str, Any]]:
+    sqs = aws("sqs", moto)
+    found: list[dict[str, Any]] = []
+    for _ in range(wait_s):
+        got = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10, WaitTimeSeconds=1)
+        found += [json.loads(m["Body"]) for m in got.get("Messages", [])]
+        if len(found) >= want:
+            break
+    return found
+
+
+class StandIn:
+    """A container that answers what the test tells it: ``respond`` is an aiohttp handler (run on
+    the server's own loop, in its thread); it records what it was sent and how many requests it
+    held at once."""
+
+    def __init__(self) -> None:
+        self.respond: Callable[[web.Request], Any] = self._ok
+        self.seen: list[dict[str, Any]] = []
+        self.execution: dict[str, Any] | None = None
+        self.active = 0
+        self.most_active = 0
+
+    async def _ok(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    def app(self) -> web.Application:
+        async def ping(request: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        async def invocations(request: web.Request) -> web.StreamResponse:
+            body = await request.read()
+            self.seen.append({"headers": dict(request.headers), "body": body})
+            self.active += 1
+            self.most_active = max(self.most_active, self.active)
+            try:
+                result: web.StreamResponse = await self.respond(request)
+            finally:
+                self.active -= 1
+            return result
+
+        async def execution(request: web.Request) -> web.Response:
+            if self.execution is None:
+                raise web.HTTPNotFound()
+            return web.json_response(self.execution)
+
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/ping", ping)
+        app.router.add_get("/execution-parameters", execution)
+        app.router.add_post("/invocations", invocations)
+        return app
+
+
+@contextlib.contextmanager
+def stand_in() -> Iterator[tuple[StandIn, str]]:
+    fake = StandIn()
+    with serve(fake.app()) as url:
+        yield fake, url
