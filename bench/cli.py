@@ -140,6 +140,11 @@ def register(sub: Any) -> None:
         "--chat-model", type=Path, default=None, help="the chat row's model (else SmolLM2)"
     )
     peers.add_argument("--no-chat", action="store_true", help="leave out the chat row")
+    peers.add_argument("--no-study", action="store_true", help="leave out the in-process study")
+    peers.add_argument("--study-repeats", type=int, default=3, help="rounds of the study")
+    peers.add_argument(
+        "--only-study", action="store_true", help="the in-process study alone (no servers)"
+    )
     peers.add_argument("--json", action="store_true", help="print JSON (last line: the report)")
 
     every = suites.add_parser("all", help="every benchmark, plus the peer comparisons")

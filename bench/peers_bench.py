@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from arbiter.schema import DecisionRequest
-from bench import llama_server
+from bench import context_study, llama_server
 from bench.common import (
     QUESTIONS,
     ROOT,
@@ -310,9 +310,21 @@ def main(args: argparse.Namespace) -> int:
     LOGS.mkdir(exist_ok=True)
     model = Path(args.model) if args.model else bundled_model().path
     threads = args.threads
-    print(f"llama-server: {llama_server.ensure_built(LOGS / 'llama-server-build.log')}", flush=True)
     work = build_workload(model, args.decisions, args.states)
     rows: dict[str, Any] = {}
+    if not args.only_study:
+        binary = llama_server.ensure_built(LOGS / "llama-server-build.log")
+        print(f"llama-server: {binary}", flush=True)
+    if not args.no_study:
+        print("in process, the same tokens on contexts that differ in one setting:", flush=True)
+        rows["context"] = context_study.study(
+            model, threads, args.n_ctx, [d for d, _ in work.cold], args.study_repeats
+        )
+        print(context_study.render(rows["context"]), flush=True)
+    if args.only_study:
+        if args.json:
+            print(json.dumps({"model": model.name, "threads": threads, "rows": rows}))
+        return 0
     with cpp_server(model, args.n_ctx, threads) as cpp:
         with arbiter_server(model, threads, cache_mb=0) as arbiter:
             rows["cold"] = cold_row(arbiter, cpp, work)
