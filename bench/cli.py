@@ -14,7 +14,18 @@ from typing import Any
 
 from bench.common import LABELED
 
-SUITES = ("engine", "models", "http", "worker", "faults", "generation", "abuse", "soak", "peers", "all")
+SUITES = (
+    "engine",
+    "models",
+    "http",
+    "worker",
+    "faults",
+    "generation",
+    "abuse",
+    "soak",
+    "peers",
+    "all",
+)
 MODULES = {"soak": "bench.soak"}  # the others are bench/<suite>_bench.py
 
 
@@ -128,7 +139,8 @@ def register(sub: Any) -> None:
     soak.add_argument("--json", action="store_true", help="print JSON (last line: the summary)")
 
     peers = suites.add_parser(
-        "peers", help="Arbiter vs llama.cpp's own C++ server (built here), paired on the same tokens"
+        "peers",
+        help="Arbiter vs llama.cpp's own C++ server (built here), paired on the same tokens",
     )
     peers.add_argument("--model", type=Path, default=None)
     peers.add_argument("--decisions", type=int, default=20, help="cold single decisions")

@@ -3,7 +3,8 @@
 The same prompt tokens are prefilled on contexts that differ from the engine's in one setting each,
 and on the context llama.cpp's server makes for ``-np 1`` (one sequence, one output row, no
 unified cache, no full sliding-window cache); the engine's own decision (``Engine.score``, the
-prefix cache off) and its two-decode prefill (the state's prefix, then the rest) run beside them.
+prefix cache off; and with ``parallel_branches``, which prefills a lone question in one decode)
+and its two-decode prefill (the state's prefix, then the rest) run beside them.
 Every run takes its turn decision by decision, so the machine's noise falls on all alike, and each
 row prints the median of its ratios to the server-shaped context's one-decode prefill.
 """
@@ -103,6 +104,16 @@ def study(
             return time.perf_counter() - started
 
         runs["Engine.score (the engine's own decision)"] = score
+        one_pass = settings.model_copy(update={"parallel_branches": True})
+
+        def score_one_pass(i: int) -> float:
+            engine.settings = one_pass  # read at each call
+            try:
+                return score(i)
+            finally:
+                engine.settings = settings
+
+        runs["Engine.score, ARBITER_PARALLEL_BRANCHES (one decode)"] = score_one_pass
         for i in range(min(2, len(decisions))):  # warm-up: every context decodes once
             for run in runs.values():
                 run(i)

@@ -9,7 +9,9 @@ prints the median of the paired ratios (Arbiter's time over the server's) with t
 Rows:
 - **cold**: one decision with no shared state and no cache (Arbiter ``ARBITER_PREFIX_CACHE_MB=0``),
   against ``/completion`` on Arbiter's own prompt token ids, ``n_predict`` 1, ``cache_prompt``
-  false: the same tokens prefilled once each.
+  false: the same tokens prefilled once each. Run twice: as served by default (the state's prefix,
+  then the question, two decodes: README, Numerics) and with ``ARBITER_PARALLEL_BRANCHES=true``
+  (a lone cold question in one decode, as the server does).
 - **shared**: the questions about one state as one Arbiter request, against one ``/completion``
   per question (``cache_prompt`` true, its best case).
 - **interleaved**: several states' questions asked in turns, so no two requests in a row share a
@@ -104,13 +106,16 @@ def cpp_server(model: Path, n_ctx: int, threads: int) -> Iterator[str]:
 
 
 @contextmanager
-def arbiter_server(model: Path, threads: int, cache_mb: float) -> Iterator[str]:
+def arbiter_server(
+    model: Path, threads: int, cache_mb: float, *, parallel_branches: bool = False
+) -> Iterator[str]:
     port = free_port()
     log = LOGS / "arbiter-serve.log"
     env = {
         **os.environ,
         "ARBITER_N_THREADS": str(threads),
         "ARBITER_PREFIX_CACHE_MB": str(cache_mb),
+        "ARBITER_PARALLEL_BRANCHES": str(parallel_branches).lower(),
         "ARBITER_LOG_LEVEL": "warning",
     }
     cmd = [sys.executable, "-m", "arbiter", "serve", "--host", "127.0.0.1", "--port", str(port)]
@@ -331,6 +336,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"cold single decision        {_fmt(rows['cold'])}", flush=True)
             rows["shared"] = shared_row(arbiter, cpp, work, args.repeats)
             print(f"{len(work.shared)} questions, one state    {_fmt(rows['shared'])}", flush=True)
+        with arbiter_server(model, threads, cache_mb=0, parallel_branches=True) as arbiter:
+            rows["cold_one_pass"] = cold_row(arbiter, cpp, work)
+            print(f"  ... ARBITER_PARALLEL_BRANCHES {_fmt(rows['cold_one_pass'])}", flush=True)
         with arbiter_server(model, threads, cache_mb=256) as arbiter:
             rows["interleaved"] = interleaved_row(arbiter, cpp, work)
             print(f"interleaved states          {_fmt(rows['interleaved'])}", flush=True)

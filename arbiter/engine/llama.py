@@ -384,9 +384,10 @@ class Llama:
         """Sequence ``target`` shares ``source``'s cells (a branch of a prefilled prefix)."""
         llama_cpp.llama_memory_seq_cp(self._mem, source, target, -1, -1)
 
-    def remove(self, seq: int, start: int = -1, end: int = -1) -> None:
-        """Drop positions ``[start, end)`` of sequence ``seq`` (-1: open-ended)."""
-        llama_cpp.llama_memory_seq_rm(self._mem, seq, start, end)
+    def remove(self, seq: int, start: int = -1, end: int = -1) -> bool:
+        """Drop positions ``[start, end)`` of sequence ``seq`` (-1: open-ended); False when the
+        memory cannot drop part of a sequence (a recurrent model's)."""
+        return bool(llama_cpp.llama_memory_seq_rm(self._mem, seq, start, end))
 
     def save(self, limit: int) -> bytearray | None:
         """Sequence 0's state, copied once (llama.cpp writes it straight into the buffer that is
