@@ -50,10 +50,12 @@ class EngineSettings(BaseSettings):
     parallel_branches: bool = Field(
         default=False,
         description=(
-            "Decode the questions of one state together in one llama_decode (faster on a GPU). "
-            "Off by default: llama.cpp's CPU kernels give slightly different logits (up to ~0.3) "
-            "for different batch shapes, and sequential branches keep every decision's result "
-            "independent of what else is in the request."
+            "Decode the questions of one state together in one llama_decode (faster on a GPU), "
+            "and a question alone with its state not cached in one llama_decode with its state "
+            "(~6% faster on a CPU). Off by default: llama.cpp's CPU kernels give slightly "
+            "different logits (up to ~0.3) for different batch shapes, and the prefix, then each "
+            "suffix on its own keep every decision's result independent of what else is in the "
+            "request and of the cache."
         ),
     )
     prefix_cache_mb: float = Field(

@@ -8,12 +8,24 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from pathlib import Path
 from typing import Any
 
 from bench.common import LABELED
 
-SUITES = ("engine", "models", "http", "worker", "faults", "generation", "abuse", "soak", "all")
+SUITES = (
+    "engine",
+    "models",
+    "http",
+    "worker",
+    "faults",
+    "generation",
+    "abuse",
+    "soak",
+    "peers",
+    "all",
+)
 MODULES = {"soak": "bench.soak"}  # the others are bench/<suite>_bench.py
 
 
@@ -125,6 +137,27 @@ def register(sub: Any) -> None:
     soak.add_argument("--max-fd-growth", type=int, default=8)
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--json", action="store_true", help="print JSON (last line: the summary)")
+
+    peers = suites.add_parser(
+        "peers",
+        help="Arbiter vs llama.cpp's own C++ server (built here), paired on the same tokens",
+    )
+    peers.add_argument("--model", type=Path, default=None)
+    peers.add_argument("--decisions", type=int, default=20, help="cold single decisions")
+    peers.add_argument("--states", type=int, default=4, help="states of the interleaved row")
+    peers.add_argument("--repeats", type=int, default=3, help="rounds of the shared-state row")
+    peers.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    peers.add_argument("--n-ctx", type=int, default=8192)
+    peers.add_argument(
+        "--chat-model", type=Path, default=None, help="the chat row's model (else SmolLM2)"
+    )
+    peers.add_argument("--no-chat", action="store_true", help="leave out the chat row")
+    peers.add_argument("--no-study", action="store_true", help="leave out the in-process study")
+    peers.add_argument("--study-repeats", type=int, default=3, help="rounds of the study")
+    peers.add_argument(
+        "--only-study", action="store_true", help="the in-process study alone (no servers)"
+    )
+    peers.add_argument("--json", action="store_true", help="print JSON (last line: the report)")
 
     every = suites.add_parser("all", help="every benchmark, plus the peer comparisons")
     every.add_argument("--file", default=str(LABELED), help="labeled decisions for the comparisons")

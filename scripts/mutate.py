@@ -50,9 +50,8 @@ MUTATIONS = (
     Mutation(
         "tokenized-once",
         "arbiter/engine/preparing.py",
-        "fixed = len(self.prompts.head) + len(self.prompts.tail)",
-        "fixed = len(self.prompts.head) + len(self.prompts.tail)"
-        " + 0 * len(self.prompts.tokens(content))",
+        "fixed = self.prompts.fixed_tokens(content.layout)",
+        "fixed = self.prompts.fixed_tokens(content.layout) + 0 * len(self.prompts.tokens(content))",
         (BUDGET + "test_a_too_long_prompt_is_tokenized_once_and_names_its_largest_part",),
     ),
     Mutation(
@@ -87,7 +86,18 @@ MUTATIONS = (
         "    early = await asyncio.to_thread(prompt)\n"
         "    async with state.admission.slot() as slot:\n"
         "        tokens = early",
-        (BUDGETS + "test_a_chat_is_tokenized_in_its_slot_not_while_it_waits",),
+        (BUDGETS + "test_a_prompt_is_tokenized_in_its_slot_not_while_it_waits[chat]",),
+    ),
+    Mutation(
+        "completion-tokenized-in-slot",
+        "adapter/text_completions.py",
+        "    async with state.admission.slot() as slot:\n"
+        "        # Tokenized, and the grammar compiled, within the in-flight bound (as chat is).\n"
+        "        tokens = await slot.run(engine.encode_segments, [(body.prompt, True)])",
+        "    early = await asyncio.to_thread(engine.encode_segments, [(body.prompt, True)])\n"
+        "    async with state.admission.slot() as slot:\n"
+        "        tokens = early",
+        (BUDGETS + "test_a_prompt_is_tokenized_in_its_slot_not_while_it_waits[completion]",),
     ),
     Mutation(
         "token-budget",

@@ -11,6 +11,7 @@ import ctypes
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -107,6 +108,18 @@ class NumpyBatch:
         self.struct.n_tokens = n
 
 
+@dataclass(frozen=True)
+class ContextShape:
+    """How a context is laid out beyond its size and sequences: what the engine asks for, and
+    what `arbiter bench peers` varies one setting at a time against llama.cpp's own server."""
+
+    # Branches share the prefix cells instead of splitting n_ctx into one stream per sequence.
+    unified: bool = True
+    # llama.cpp's default: a sliding-window layer keeps every cell (a saved prefix restores whole).
+    swa_full: bool = True
+    outputs: int | None = None  # rows of logits; at least one per sequence (llama.cpp's rule)
+
+
 class Llama:
     """A loaded model and its context (:meth:`open_context`). Not thread-safe for decoding: the
     engine serializes that; tokenizing and token texts take a lock of their own, so :meth:`close`
@@ -157,7 +170,9 @@ class Llama:
         template = llama_cpp.llama_model_chat_template(self._model, None)
         self.chat_template: str | None = template.decode("utf-8") if template else None
 
-    def open_context(self, s: EngineSettings, sequences: int) -> None:
+    def open_context(
+        self, s: EngineSettings, sequences: int, shape: ContextShape | None = None
+    ) -> None:
         """Create the context for ``sequences`` KV sequences, each read at one position at most
         per decode (the engine sizes it: the prefix, the question branches, the label branches).
 
@@ -166,6 +181,7 @@ class Llama:
         MiB at n_batch 512 for a 262k vocab, 2 GiB at 2048). ``decode`` checks every slice against
         it: llama.cpp aborts the process (GGML_ASSERT) on a slice that asks for more.
         """
+        shape = shape or ContextShape()
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = s.n_ctx
         cparams.n_batch = s.n_batch
@@ -174,11 +190,12 @@ class Llama:
         self.n_seq_max = sequences
         # llama.cpp reserves an output row per sequence at construction, so the cap is at least
         # that; it is also what the largest label decode reads.
-        self.n_outputs_max = sequences
+        self.n_outputs_max = max(sequences, shape.outputs or 0)
         cparams.n_outputs_max = self.n_outputs_max
         cparams.n_threads = s.n_threads
         cparams.n_threads_batch = s.n_threads
-        cparams.kv_unified = True  # branches share the prefix cells instead of splitting n_ctx
+        cparams.kv_unified = shape.unified
+        cparams.swa_full = shape.swa_full
         cparams.no_perf = True
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
@@ -367,9 +384,10 @@ class Llama:
         """Sequence ``target`` shares ``source``'s cells (a branch of a prefilled prefix)."""
         llama_cpp.llama_memory_seq_cp(self._mem, source, target, -1, -1)
 
-    def remove(self, seq: int, start: int = -1, end: int = -1) -> None:
-        """Drop positions ``[start, end)`` of sequence ``seq`` (-1: open-ended)."""
-        llama_cpp.llama_memory_seq_rm(self._mem, seq, start, end)
+    def remove(self, seq: int, start: int = -1, end: int = -1) -> bool:
+        """Drop positions ``[start, end)`` of sequence ``seq`` (-1: open-ended); False when the
+        memory cannot drop part of a sequence (a recurrent model's)."""
+        return bool(llama_cpp.llama_memory_seq_rm(self._mem, seq, start, end))
 
     def save(self, limit: int) -> bytearray | None:
         """Sequence 0's state, copied once (llama.cpp writes it straight into the buffer that is

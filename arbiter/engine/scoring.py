@@ -51,8 +51,6 @@ def context_sequences(settings: EngineSettings, labels: Labels) -> int:
     return max(settings.max_branches + 1, 2 + labels.max_branches)
 
 
-
-
 class Scoring:
     """Scores decisions on one context. The caller holds the engine's lock and passes the
     settings and the prefix cache of the call (both may be swapped between calls)."""
@@ -154,6 +152,8 @@ class Scoring:
     ) -> GroupRun:
         """Prefill (or restore) the prefix in sequence 0, then decode the suffixes as branches."""
         started = time.perf_counter()
+        n_prefix = len(prefix)
+        one_pass = settings.parallel_branches and len(prepared) == 1
         cache_state: Literal["hit", "miss", "off"] = "off"
         if cache.enabled:
             key = prefix_key(self.weights_id, prefix)
@@ -166,13 +166,24 @@ class Scoring:
                     # from an empty sequence 0, as a cold run does.
                     self.llama.remove(0)
                 cache_state = "miss"
+                if one_pass:
+                    self._one_pass(prepared[0])
+                    # The cache keeps the state's cells alone: the rest of sequence 0 is dropped
+                    # (a model whose memory cannot drop a tail, a recurrent one, is not cached).
+                    if self.llama.remove(0, n_prefix, -1):
+                        state = self.llama.save(cache.limit_bytes)
+                        if state is not None:
+                            cache.put(key, state)
+                    return GroupRun(n_prefix, cache_state, time.perf_counter() - started)
                 self.llama.prefill(prefix)
                 state = self.llama.save(cache.limit_bytes)
                 if state is not None:
                     cache.put(key, state)
+        elif one_pass:
+            self._one_pass(prepared[0])
+            return GroupRun(n_prefix, cache_state, time.perf_counter() - started)
         else:
             self.llama.prefill(prefix)
-        n_prefix = len(prefix)
         budget = self.llama.n_ctx - n_prefix
         chunk: list[Prepared] = []
         used = 0
@@ -192,6 +203,14 @@ class Scoring:
             labels = max(labels, p.label_branches)
         self._decode_branches(n_prefix, chunk)
         return GroupRun(n_prefix, cache_state, time.perf_counter() - started)
+
+    def _one_pass(self, p: Prepared) -> None:
+        """A question alone, its state not cached, prefilled with its state in one decode in
+        sequence 0 (``parallel_branches``: ~6% less time on a CPU than the prefix then the suffix,
+        at the price of the batch-shape invariance; README, Numerics)."""
+        self._decode_runs([p.tokens], 0, np.zeros(1, dtype=np.int32), lambda _, b: self._read(p, b))
+        if p.readout is not None:
+            self._decode_codes(p, 0, 1)
 
     def _decode_branches(self, n_prefix: int, chunk: list[Prepared]) -> None:
         seq_ids = np.arange(1, len(chunk) + 1, dtype=np.int32)

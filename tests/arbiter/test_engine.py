@@ -153,6 +153,46 @@ def test_parallel_branches_agree_within_kernel_tolerance(default_gguf: Path) -> 
         eng.close()
 
 
+def test_parallel_branches_prefill_a_lone_cold_question_in_one_decode(
+    default_gguf: Path, engine: Engine
+) -> None:
+    """With parallel branches a question alone, its state not cached, is prefilled in one decode
+    (issue 24: the prefix-then-suffix split cost ~6% of a cold decision); the cache then keeps the
+    state's cells alone, so another question on that state reads as the default engine's."""
+    eng = Engine(
+        EngineSettings(model=default_gguf, parallel_branches=True, n_ctx=2048, n_threads=2)
+    )
+    try:
+        state = {"ticket": "Invoices are charged twice since the upgrade", "plan": "team"}
+        first = decision("a", state, "Which team should own this ticket?")
+        second = decision(
+            "b", state, "How urgent is this ticket?", [("low", "Low"), ("high", "High")]
+        )
+        cold = _ok(eng.score([first])[0])
+        assert cold.prefix_cache == "miss"
+        one_decode = reference_option_logits(eng, first)
+        assert np.allclose(cold.option_logits, one_decode, atol=1e-3), (cold, one_decode)
+        # The cache kept the state's cells alone: what the default engine saves for that state.
+        (kept,) = eng.cache._entries.values()
+        engine.cache.clear()
+        _ok(engine.score([first])[0])
+        (prefix_only,) = engine.cache._entries.values()
+        assert len(kept) == len(prefix_only)
+        hit = _ok(eng.score([second])[0])
+        assert hit.prefix_cache == "hit"
+        assert hit.prompt.prefix_tokens == cold.prompt.prefix_tokens
+        # The state's cells were computed in one batch with the first question's, so they round
+        # apart from the default engine's by the kernel effect (README, Numerics).
+        default = _alone(engine, second)
+        assert np.allclose(hit.option_logits, default, atol=KERNEL_TOLERANCE)
+        many = decision("c", "A lone state.", "Which code?", 30)
+        codes = _ok(eng.score([many])[0])  # codes read after the one decode, in its branches
+        assert np.allclose(codes.option_logits, _alone(engine, many), atol=KERNEL_TOLERANCE)
+        assert math.isclose(sum(codes.probabilities), 1.0, rel_tol=1e-6)
+    finally:
+        eng.close()
+
+
 def test_mixed_states_come_back_in_input_order(engine: Engine) -> None:
     a, b = "State number one about billing.", {"other": "state two"}
     requests = [
