@@ -11,7 +11,7 @@ LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS := $(shell scripts/llama-cmake-args)
 WHEELHOUSE := $(HOME)/.cache/arbiter/wheels/$(shell echo "$(LLAMA_CPP_PYTHON) $(LLAMA_CMAKE_ARGS)" | sha256sum | cut -c1-12)
 
-.PHONY: setup run test test-container gpu-rehearse fuzz lint bench mutate soak clean
+.PHONY: setup run test test-container gpu-rehearse fuzz faults lint bench mutate soak clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -50,6 +50,17 @@ fuzz: $(STAMP)
 		tests/arbiter/test_properties.py tests/adapter/test_schemathesis.py \
 		tests/arbiter/test_engine_faults.py::test_concurrent_chat_tokenization_and_scoring_match_a_serial_run
 	$(BIN)/python -m pytest -q --timeout 3600 -m fuzz tests/worker/test_fuzz.py
+	$(BIN)/python -m tests.worker.campaign --seeds $(FUZZ_FAULT_SEEDS) --concurrency 6
+
+# The fan-out under faults (README, "Exactly once, step by step"): the seeded fault campaign
+# (tests/worker/campaign.py; make test runs 24 of its seeds, make fuzz thousands), then the black-box
+# run (tests/worker/blackbox.py: arbiter work and arbiter submit behind a faulty proxy, worker
+# processes SIGKILLed at random). A failing seed prints the command that replays it.
+FAULT_SEEDS ?= 1000:1200
+FUZZ_FAULT_SEEDS ?= 2000:5000
+faults: $(STAMP)
+	$(BIN)/python -m tests.worker.campaign --seeds $(FAULT_SEEDS) --concurrency 6
+	$(BIN)/python -m tests.worker.blackbox
 
 bench: $(STAMP)
 	$(BIN)/arbiter bench engine

@@ -21,6 +21,7 @@ COMMANDS = {
     "work": "worker.cli",
     "submit": "worker.cli",
     "local": "worker.cli",
+    "check-fanout": "worker.cli",
     "eval": "evaluation.cli",
     "calibrate": "evaluation.cli",
     "bench": "bench.cli",

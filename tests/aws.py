@@ -21,7 +21,7 @@ def _atomic_object_writes() -> None:
     in two steps, with nothing that stops another of its server threads in between; S3 does both
     as one (that is what a conditional write is). Object writes (PUT and POST on a key: PutObject,
     UploadPart(Copy), CompleteMultipartUpload) are serialized here, so that the test server keeps
-    the guarantee that worker/merge.py relies on and races between workers are S3's, not moto's."""
+    the guarantee that the fan-out (worker/fanout/) relies on and races between workers are S3's, not moto's."""
     from moto.s3.responses import S3Response
 
     if getattr(S3Response, "_arbiter_atomic", False):

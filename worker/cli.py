@@ -33,7 +33,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from worker.submit import submit
 
     settings = _settings(args)
-    summary = asyncio.run(submit(settings, Path(args.file), key=args.key, timeout_s=args.timeout))
+    summary = asyncio.run(
+        submit(
+            settings,
+            Path(args.file),
+            key=args.key,
+            timeout_s=args.timeout,
+            shard_lines=args.shard_lines,
+        )
+    )
     if summary is None:
         print(
             f"no summary after {args.timeout:.0f} s; the job may still be running", file=sys.stderr
@@ -41,6 +49,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def cmd_check_fanout(args: argparse.Namespace) -> int:
+    from worker.check import cmd_check_fanout as run
+
+    return run(args)
 
 
 def cmd_local(args: argparse.Namespace) -> int:
@@ -60,7 +74,25 @@ def register(sub: Any) -> None:
     submit.add_argument("file", help="a .jsonl / .json job (optionally .gz)")
     submit.add_argument("--key", default=None, help="object key (default: input prefix + name)")
     submit.add_argument("--timeout", type=float, default=900.0, help="seconds to wait")
+    submit.add_argument(
+        "--shard-lines",
+        type=int,
+        default=None,
+        help="split this job into shards of this many lines (x-amz-meta-arbiter-shard-lines), "
+        "whatever the workers' ARBITER_SHARD_LINES",
+    )
     submit.set_defaults(func=cmd_submit)
+
+    check = sub.add_parser(
+        "check-fanout",
+        help="run a small split job on the deployed stack and verify what it left (README: "
+        "Exactly once)",
+    )
+    check.add_argument("--lines", type=int, default=240, help="decisions in the job")
+    check.add_argument("--shard-lines", type=int, default=40, help="lines per shard")
+    check.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait")
+    check.add_argument("--keep", action="store_true", help="keep the job's objects afterwards")
+    check.set_defaults(func=cmd_check_fanout)
 
     local = sub.add_parser(
         "local", help="moto S3+SQS, bucket, queues, notification, `serve` and `work` on this host"

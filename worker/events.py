@@ -1,5 +1,12 @@
-"""What arrives on the queue: S3 event notifications, S3's test event, a direct ``{bucket, key}``, or
-one shard of a job that a worker split (:mod:`worker.shards`).
+"""What arrives on the queue: S3 event notifications, S3's test event, a direct ``{bucket, key}``,
+one shard of a job that a worker split, or the merge of a split job (:mod:`worker.fanout`).
+
+The fan-out's own messages carry their protocol version in their first field (``arbiter_shard``,
+``arbiter_merge``) and ignore fields they do not know, so a rolling deploy that adds a field never
+dead-letters a message on a worker of the release before. A version adds fields only; a layout that
+old workers could not read would get a new first field. Shard messages of the first fan-out (version
+1, before job folders were named by a hash) are dead-lettered with that reason: their job is re-sent
+after the upgrade.
 
 AWS models keep AWS field names (``Records``, ``eTag``); the domain model :class:`JobRef` is frozen.
 S3 URL-encodes object keys in notifications (a space becomes ``+``; moto also encodes ``/``), so keys
@@ -75,30 +82,56 @@ class DirectMessage(BaseModel):
     version_id: str | None = None
 
 
+PROTOCOL = 2  # the fan-out's message version this worker writes (and reads, with any later one)
+PLAN_ID = r"^[0-9a-f]{16,64}$"
+
+
 class ShardMessage(BaseModel):
     """One shard of a split job, sent by the worker that split it (the key is taken literally)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
-    arbiter_shard: Literal[1]
+    arbiter_shard: int = Field(ge=PROTOCOL)
     bucket: str = Field(min_length=1)
     key: str = Field(min_length=1)
     etag: str = Field(min_length=1, max_length=128)
-    split: str = Field(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")
+    plan: str = Field(pattern=PLAN_ID)
     index: int = Field(ge=0)
     count: int = Field(ge=1)
 
 
+class MergeMessage(BaseModel):
+    """Every shard of a split job has its outcome: merge them (sent by whoever saw that)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    arbiter_merge: int = Field(ge=PROTOCOL)
+    bucket: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+    etag: str = Field(min_length=1, max_length=128)
+    plan: str = Field(pattern=PLAN_ID)
+
+
 @dataclass(frozen=True)
 class ShardRef:
-    """Shard ``index`` of ``count`` of the job (bucket, key, etag), as split by ``split``."""
+    """Shard ``index`` of ``count`` of the job (bucket, key, etag), as cut by plan ``plan``."""
 
     bucket: str
     key: str
     etag: str
-    split: str
+    plan: str
     index: int
     count: int
+
+
+@dataclass(frozen=True)
+class MergeRef:
+    """The merge of the job (bucket, key, etag), split by plan ``plan``."""
+
+    bucket: str
+    key: str
+    etag: str
+    plan: str
 
 
 @dataclass(frozen=True)
@@ -128,7 +161,10 @@ def normalize_etag(etag: str | None) -> str | None:
     return etag.strip('"') if etag else None
 
 
-def _accept(ref: JobRef | ShardRef, bucket: str, input_prefix: str) -> JobRef | ShardRef | Ignored:
+Ref = JobRef | ShardRef | MergeRef
+
+
+def _accept(ref: Ref, bucket: str, input_prefix: str) -> Ref | Ignored:
     if ref.bucket != bucket:
         return Ignored(f"bucket {ref.bucket!r} is not the job bucket {bucket!r}")
     if not ref.key.startswith(input_prefix):
@@ -138,9 +174,40 @@ def _accept(ref: JobRef | ShardRef, bucket: str, input_prefix: str) -> JobRef | 
     return ref
 
 
-def parse_message(
-    body: str, *, bucket: str, input_prefix: str
-) -> list[JobRef | ShardRef | Ignored]:
+def _records(event: S3EventNotification, bucket: str, input_prefix: str) -> list[Ref | Ignored]:
+    out: list[Ref | Ignored] = []
+    for record in event.Records:
+        if not record.eventName.startswith("ObjectCreated"):
+            out.append(Ignored(f"event {record.eventName!r} is not an object creation"))
+            continue
+        obj = record.s3.object
+        ref = JobRef(
+            bucket=record.s3.bucket.name,
+            key=unquote_plus(obj.key),
+            etag=normalize_etag(obj.eTag),
+            version_id=obj.versionId,
+            size=obj.size,
+        )
+        out.append(_accept(ref, bucket, input_prefix))
+    return out
+
+
+def _fanout_ref(raw: dict[str, Any]) -> ShardRef | MergeRef:
+    if raw.get("arbiter_shard") == 1:
+        raise UnreadableMessage(
+            "a shard message of the fan-out before version 2 (its job folders were named "
+            "differently): re-send the job's notification to run it on this release"
+        )
+    if "arbiter_merge" in raw:
+        merge = MergeMessage.model_validate(raw)
+        return MergeRef(**merge.model_dump(include={"bucket", "key", "etag", "plan"}))
+    shard = ShardMessage.model_validate(raw)
+    if shard.index >= shard.count:
+        raise ValueError(f"shard index {shard.index} is not below count {shard.count}")
+    return ShardRef(**shard.model_dump(include={"bucket", "key", "etag", "plan", "index", "count"}))
+
+
+def parse_message(body: str, *, bucket: str, input_prefix: str) -> list[Ref | Ignored]:
     """The jobs (and ignored entries) a message announces, one per record.
 
     Raises :class:`UnreadableMessage` for a body that is not one of the accepted shapes.
@@ -158,29 +225,12 @@ def parse_message(
             S3TestEvent.model_validate(raw)
             return [Ignored("s3:TestEvent")]
         if "Records" in raw:
-            event = S3EventNotification.model_validate(raw)
-            out: list[JobRef | ShardRef | Ignored] = []
-            for record in event.Records:
-                if not record.eventName.startswith("ObjectCreated"):
-                    out.append(Ignored(f"event {record.eventName!r} is not an object creation"))
-                    continue
-                obj = record.s3.object
-                ref = JobRef(
-                    bucket=record.s3.bucket.name,
-                    key=unquote_plus(obj.key),
-                    etag=normalize_etag(obj.eTag),
-                    version_id=obj.versionId,
-                    size=obj.size,
-                )
-                out.append(_accept(ref, bucket, input_prefix))
-            return out
-        if "arbiter_shard" in raw:
-            shard = ShardMessage.model_validate(raw)
-            if shard.index >= shard.count:
-                raise ValueError(f"shard index {shard.index} is not below count {shard.count}")
-            shard_ref = ShardRef(**shard.model_dump(exclude={"arbiter_shard"}))
-            return [_accept(shard_ref, bucket, input_prefix)]
+            return _records(S3EventNotification.model_validate(raw), bucket, input_prefix)
+        if "arbiter_shard" in raw or "arbiter_merge" in raw:
+            return [_accept(_fanout_ref(raw), bucket, input_prefix)]
         direct = DirectMessage.model_validate(raw)
+    except UnreadableMessage:
+        raise
     except (ValidationError, RecursionError, ValueError) as exc:
         raise UnreadableMessage(f"message is not an S3 event or {{bucket, key}}: {exc}") from exc
     job = JobRef(direct.bucket, direct.key, normalize_etag(direct.etag), direct.version_id)

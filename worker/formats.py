@@ -10,7 +10,7 @@ broken stream ends the input early, with one error item: corrupt or truncated gz
 document whose structure breaks (a missing comma, an unterminated element).
 
 The readers are async iterators of bounded items; :func:`raw_items_for` gives them undecoded, which is
-what a large job is split into shards by (:mod:`worker.shards`).
+what a large job is split into shards by (:mod:`worker.fanout.split`).
 """
 
 from __future__ import annotations

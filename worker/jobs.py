@@ -5,8 +5,11 @@ The input is read in bounded pieces by :mod:`worker.formats` and never held whol
 :meth:`Engine.score`, which groups each chunk's decisions by state so every state is prefilled once
 (and its prefix cache carries a state across chunks). Results are spooled to a temporary file, one
 line per input line in input order, and uploaded only when complete (one PutObject, or a completed
-multipart upload): a worker that dies mid-job leaves nothing visible. The summary is written last;
-its existence marks the job done.
+multipart upload), with ``If-None-Match: *``: a worker that dies mid-job leaves nothing visible, and
+the results object is written once however often the job is redone. The summary is written last
+(``If-None-Match: *`` too); its existence marks the job done. A job redone after its results but
+before its summary (a kill, a lost answer) reads its tally back from the results it finds instead
+of scoring again, so the summary always describes the results that exist.
 
 Whatever goes wrong with one line, in parsing or in the engine, becomes that line's error record.
 A job fails (and is retried) only for trouble no line causes: S3, or an engine that fails on every
@@ -38,10 +41,10 @@ from arbiter.scorer import Scorer
 from arbiter.settings import MB as MiB
 from worker.events import JobRef, normalize_etag
 from worker.formats import PIECE, Item, items_for
+from worker.s3io import abort_uploads, exists, gone, put_new, upload_spool
 from worker.settings import WorkerSettings
 
 MAX_KEY_BYTES = 1024  # S3's limit on an object key
-_MISSING = {"404", "NoSuchKey", "NotFound", "NoSuchVersion"}
 
 Runner = Callable[..., Awaitable[Any]]
 
@@ -52,6 +55,11 @@ class JobFailed(Exception):
 
 class JobRejected(Exception):
     """No retry can complete the job (its input object is gone): dead-lettered at once."""
+
+
+class OutOfTries(Exception):
+    """A job message back after its last try died with its worker: dead-lettered, not run again
+    (a split job's is still a repair: it only re-sends what is unfinished)."""
 
 
 @dataclass(frozen=True)
@@ -88,10 +96,11 @@ def fit_name(name: str, room: int) -> str:
 class JobReport:
     """What happened to one job reference."""
 
-    outcome: str  # ok | duplicate | superseded; split | merged | shard (worker.fanout)
+    outcome: str  # ok | duplicate | superseded; split | repaired | merged | shard (worker.fanout)
     ref: JobRef
     keys: OutputKeys | None = None
     summary: dict[str, Any] | None = None
+    etag: str | None = None  # the input version found
 
 
 @dataclass
@@ -172,7 +181,13 @@ def _writable(
 
 
 async def _score_chunk(
-    engine: Scorer, chunk: list[Item], out: IO[bytes], tally: _Tally, metrics: Any, run: Runner
+    engine: Scorer,
+    chunk: list[Item],
+    out: IO[bytes],
+    tally: _Tally,
+    metrics: Any,
+    run: Runner,
+    judge_engine: bool = True,
 ) -> None:
     requests = [item.value for item in chunk if isinstance(item.value, DecisionRequest)]
     started = time.perf_counter()
@@ -180,7 +195,8 @@ async def _score_chunk(
     raised_before = tally.engine_raised
     outcomes = iter(await _score_isolated(engine, requests, run, tally) if requests else [])
     tally.engine_s += time.perf_counter() - started
-    if requests and tally.engine_ok == 0 and tally.engine_raised - raised_before == len(requests):
+    every_one_raised = tally.engine_raised - raised_before == len(requests)
+    if judge_engine and requests and tally.engine_ok == 0 and every_one_raised:
         raise JobFailed(f"the engine failed on every decision so far ({tally.engine_raised})")
     failed = 0
     for item in chunk:
@@ -210,8 +226,12 @@ async def write_records(
     settings: WorkerSettings,
     metrics: Any = None,
     run: Runner | None = None,
+    judge_engine: bool = True,
 ) -> _Tally:
-    """Score ``items`` in chunks and write one record line per item to ``out``, in order."""
+    """Score ``items`` in chunks and write one record line per item to ``out``, in order.
+
+    ``judge_engine``: raise :class:`JobFailed` while the engine has failed on every decision so far
+    (a broken engine, retried elsewhere); False on a last try, where every line gets its record."""
     run = run or asyncio.to_thread
     tally = _Tally()
     chunk: list[Item] = []
@@ -221,70 +241,14 @@ async def write_records(
         chunk.append(item)
         size += item.size
         if len(chunk) >= settings.chunk_decisions or size >= limit:
-            await _score_chunk(engine, chunk, out, tally, metrics, run)
+            await _score_chunk(engine, chunk, out, tally, metrics, run, judge_engine)
             chunk, size = [], 0
     if chunk:
-        await _score_chunk(engine, chunk, out, tally, metrics, run)
+        await _score_chunk(engine, chunk, out, tally, metrics, run, judge_engine)
     return tally
 
 
 # -- S3 --------------------------------------------------------------------------------------------
-
-
-def is_missing(exc: ClientError) -> bool:
-    return exc.response.get("Error", {}).get("Code") in _MISSING
-
-
-async def exists(s3: Any, bucket: str, key: str) -> bool:
-    try:
-        await s3.head_object(Bucket=bucket, Key=key)
-    except ClientError as exc:
-        if is_missing(exc):
-            return False
-        raise
-    return True
-
-
-async def upload_spool(
-    s3: Any,
-    settings: WorkerSettings,
-    key: str,
-    spool: IO[bytes],
-    content_type: str = "application/x-ndjson",
-) -> None:
-    """Publish a spooled file whole: one PutObject, or parts completed in one call."""
-    size = spool.seek(0, os.SEEK_END)
-    spool.seek(0)
-    if size <= settings.multipart_threshold_mb * MiB:
-        await s3.put_object(
-            Bucket=settings.bucket, Key=key, Body=spool.read(), ContentType=content_type
-        )
-        return
-    part_size = int(settings.part_size_mb * MiB)
-    upload = await s3.create_multipart_upload(
-        Bucket=settings.bucket, Key=key, ContentType=content_type
-    )
-    upload_id = upload["UploadId"]
-    try:
-        parts = []
-        number = 1
-        while data := spool.read(part_size):
-            part = await s3.upload_part(
-                Bucket=settings.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data
-            )
-            parts.append({"PartNumber": number, "ETag": part["ETag"]})
-            number += 1
-        await s3.complete_multipart_upload(
-            Bucket=settings.bucket,
-            Key=key,
-            UploadId=upload_id,
-            MultipartUpload={"Parts": parts},
-        )
-    except BaseException:
-        await asyncio.shield(
-            s3.abort_multipart_upload(Bucket=settings.bucket, Key=key, UploadId=upload_id)
-        )
-        raise
 
 
 @dataclass(frozen=True)
@@ -308,7 +272,7 @@ async def locate(s3: Any, ref: JobRef, settings: WorkerSettings) -> Located | Jo
     try:
         head = await s3.head_object(**head_kw)
     except ClientError as exc:
-        if is_missing(exc):
+        if await gone(s3, ref.bucket, ref.key, exc):
             raise JobRejected(f"the input {where} no longer exists") from exc
         raise JobFailed(f"cannot read {where}: {exc}") from exc
     etag = normalize_etag(head["ETag"]) or ""
@@ -317,8 +281,50 @@ async def locate(s3: Any, ref: JobRef, settings: WorkerSettings) -> Located | Jo
         return JobReport("superseded", ref)
     keys = output_keys(settings, ref.key, etag)
     if await exists(s3, settings.bucket, keys.summary):
-        return JobReport("duplicate", ref, keys)
+        return JobReport("duplicate", ref, keys, etag=etag)
     return Located(head_kw, head, etag, keys)
+
+
+async def open_input(s3: Any, ref: JobRef, found: Located) -> Any:
+    """GetObject of exactly the version located (``If-Match`` on its ETag)."""
+    try:
+        return await s3.get_object(**found.head_kw, IfMatch=f'"{found.etag}"')
+    except ClientError as exc:
+        if await gone(s3, ref.bucket, ref.key, exc):
+            where = f"s3://{ref.bucket}/{ref.key}"
+            raise JobRejected(f"the input {where} no longer exists") from exc
+        raise
+
+
+async def tally_results(s3: Any, bucket: str, key: str) -> tuple[_Tally, Any]:
+    """The tally of a results object that exists (written by an earlier attempt of the job, or by
+    this one whose answer was lost), and the model of its first result."""
+    tally = _Tally()
+    model = None
+    got = await s3.get_object(Bucket=bucket, Key=key)
+    buf = b""
+    async with got["Body"] as body:
+        async for chunk in raw_chunks(body):
+            buf += chunk
+            *whole, buf = buf.split(b"\n")
+            for line in whole:
+                if line:
+                    model = _count_record(tally, json.loads(line)) or model
+    if buf.strip():
+        model = _count_record(tally, json.loads(buf)) or model
+    return tally, model
+
+
+def _count_record(tally: _Tally, record: dict[str, Any]) -> Any:
+    tally.lines += 1
+    if "error" in record:
+        tally.failed += 1
+        tally.codes[record["error"].get("code", "unknown")] += 1
+        return None
+    tally.ok += 1
+    result = record.get("result", {})
+    tally.prompt_tokens += int(result.get("prompt", {}).get("input_tokens", 0))
+    return result.get("model")
 
 
 async def run_job(
@@ -336,19 +342,19 @@ async def run_job(
     found = await locate(s3, ref, settings)
     if isinstance(found, JobReport):
         return found
-    head_kw, head, etag, keys = found.head_kw, found.head, found.etag, found.keys
-    where = f"s3://{ref.bucket}/{ref.key}"
-    try:
-        response = await s3.get_object(**head_kw, IfMatch=f'"{etag}"')
-    except ClientError as exc:
-        if is_missing(exc):
-            raise JobRejected(f"the input {where} no longer exists") from exc
-        raise
-    with tempfile.TemporaryFile(dir=settings.tmp_dir) as spool:
-        async with response["Body"] as body:
-            items = items_for(ref.key, raw_chunks(body), settings.max_line_bytes)
-            tally = await write_records(engine, items, spool, settings, metrics, run)
-        await upload_spool(s3, settings, keys.results, spool)
+    head, etag, keys = found.head, found.etag, found.keys
+    model: Any = engine.model_info.model_dump(mode="json")
+    written = False
+    if not await exists(s3, settings.bucket, keys.results):
+        response = await open_input(s3, ref, found)
+        with tempfile.TemporaryFile(dir=settings.tmp_dir) as spool:
+            async with response["Body"] as body:
+                items = items_for(ref.key, raw_chunks(body), settings.max_line_bytes)
+                tally = await write_records(engine, items, spool, settings, metrics, run)
+            written = await upload_spool(s3, settings, keys.results, spool, exclusive=True)
+    if not written:  # results of an earlier attempt (or ours, answer lost): describe those
+        tally, found_model = await tally_results(s3, settings.bucket, keys.results)
+        model = found_model or model
     seconds = time.perf_counter() - started
     summary = {
         "input": {
@@ -366,16 +372,13 @@ async def run_job(
         "tokens": {"prompt": tally.prompt_tokens},
         "seconds": {"total": round(seconds, 4), "engine": round(tally.engine_s, 4)},
         "decisions_per_s": round(tally.lines / seconds, 3) if seconds > 0 else None,
-        "model": engine.model_info.model_dump(mode="json"),
+        "model": model,
         "worker": {"host": socket.gethostname(), "pid": os.getpid()},
         "finished_at": datetime.now(UTC).isoformat(),
     }
-    await s3.put_object(
-        Bucket=settings.bucket,
-        Key=keys.summary,
-        Body=json.dumps(summary, indent=2).encode(),
-        ContentType="application/json",
-    )
+    # False: an equivalent summary (of these same results) was written by another attempt.
+    await put_new(s3, settings.bucket, keys.summary, summary)
+    await abort_uploads(s3, settings.bucket, keys.results, exact=True)
     if metrics is not None:
         metrics.decisions_per_s.set(tally.lines / seconds if seconds > 0 else 0)
     return JobReport("ok", ref, keys, summary)

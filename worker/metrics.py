@@ -22,8 +22,8 @@ class WorkerMetrics:
         self.jobs = Counter(
             "arbiter_worker_jobs_total",
             "Jobs by outcome (ok, failed, rejected, duplicate, superseded, ignored, unreadable; "
-            "split: cut into shards, merged: a split job's results and summary written, "
-            "deferred: its merge is held by another worker).",
+            "split: cut into shards, repaired: a split job's message back, its unfinished shards "
+            "sent again, merged: a split job's results and summary written).",
             ["outcome"],
             registry=registry,
         )
@@ -68,20 +68,19 @@ class WorkerMetrics:
         self.shards = Counter(
             "arbiter_worker_shards_total",
             "Shards of split jobs by outcome: scored (ok), found done already or lost to another "
-            "attempt (duplicate), failed for good (failed), of an older split (stale).",
+            "attempt (duplicate), failed for good (failed).",
             ["outcome"],
             registry=registry,
         )
         self.merges = Counter(
             "arbiter_worker_merges_total",
-            "Merges of split jobs by outcome: results and summary written (ok), stopped because "
-            "another worker took the claim over (lost).",
+            "Merges of split jobs by outcome: the summary written (ok).",
             ["outcome"],
             registry=registry,
         )
         self.merge_seconds = Histogram(
             "arbiter_worker_merge_seconds",
-            "Wall time of a merge, from the claim to the summary written.",
+            "Wall time of a merge, from its message's receive to the summary written.",
             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
             registry=registry,
         )

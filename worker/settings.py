@@ -43,7 +43,11 @@ class WorkerSettings(BaseSettings):
     )
     dlq_name: str = Field(default="arbiter-jobs-dlq", description="Dead-letter queue name.")
     max_receive_count: int = Field(
-        default=5, ge=1, le=1000, description="Receives before SQS moves a job to the DLQ."
+        default=5,
+        ge=1,
+        le=997,
+        description="Tries the worker allows a job, shard or merge message; then a job goes to the "
+        "DLQ and a shard fails for good. The queue's redrive allows 3 receives more.",
     )
 
     worker_processes: int = Field(
@@ -110,19 +114,14 @@ class WorkerSettings(BaseSettings):
         default=1000,
         ge=0,
         description="A job with more lines is split into shards of about this many lines, scored "
-        "by any worker and merged in order (~4 min each at 4 decisions/s); 0: never split.",
+        "by any worker and merged in order (~4 min each at 4 decisions/s); 0: never split. An "
+        "object's x-amz-meta-arbiter-shard-lines sets its own.",
     )
     shard_prefix: str = Field(
         default="shards/",
         min_length=1,
         max_length=256,
         description="Where a split job's shard inputs, outputs and markers live while it runs.",
-    )
-    merge_claim_ttl_s: float = Field(
-        default=120.0,
-        ge=1,
-        le=3600,
-        description="A merge claim not renewed for this long may be taken over by another worker.",
     )
     tmp_dir: str | None = Field(
         default=None, description="Where results are spooled before upload."

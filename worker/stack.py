@@ -8,12 +8,15 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
+from worker.policies import REDRIVE_MARGIN
 from worker.settings import WorkerSettings
 
 
 async def ensure_stack(s3: Any, sqs: Any, settings: WorkerSettings) -> dict[str, str]:
     """Create (idempotently) the bucket, the dead-letter queue, the job queue with a redrive
-    policy to it, and the S3 -> SQS notification for objects created under the input prefix."""
+    policy to it, and the S3 -> SQS notification for objects created under the input prefix.
+    The redrive allows REDRIVE_MARGIN receives more than the worker's own tries
+    (:mod:`worker.replies`)."""
     try:
         await s3.create_bucket(Bucket=settings.bucket)
     except ClientError as exc:
@@ -24,7 +27,10 @@ async def ensure_stack(s3: Any, sqs: Any, settings: WorkerSettings) -> dict[str,
             raise
     dlq_url = (await sqs.create_queue(QueueName=settings.dlq_name))["QueueUrl"]
     dlq_arn = await _arn(sqs, dlq_url)
-    redrive = {"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(settings.max_receive_count)}
+    redrive = {
+        "deadLetterTargetArn": dlq_arn,
+        "maxReceiveCount": str(settings.max_receive_count + REDRIVE_MARGIN),
+    }
     queue_url = (
         await sqs.create_queue(
             QueueName=settings.queue_name,

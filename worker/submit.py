@@ -16,10 +16,11 @@ from aiobotocore.session import get_session
 from tqdm import tqdm
 
 from worker.events import normalize_etag
+from worker.fanout.job import SHARD_LINES_METADATA
+from worker.fanout.status import status_key
 from worker.jobs import output_keys
+from worker.s3io import get_json
 from worker.settings import WorkerSettings
-from worker.shards import get_json
-from worker.status import status_key
 
 
 def _show(bar: tqdm[Any], doc: dict[str, Any]) -> None:
@@ -37,13 +38,16 @@ async def submit(
     key: str | None = None,
     timeout_s: float = 900.0,
     progress: bool = True,
+    shard_lines: int | None = None,
 ) -> dict[str, Any] | None:
-    """Upload ``path``; return the job's summary once written, or None after ``timeout_s``."""
+    """Upload ``path``; return the job's summary once written, or None after ``timeout_s``.
+    ``shard_lines``: this job's shard size (``x-amz-meta-arbiter-shard-lines``), else the workers'."""
     key = key or f"{settings.input_prefix}{path.name}"
     bar: tqdm[Any] | None = None
     async with get_session().create_client("s3", **settings.client_kwargs()) as s3:
         data = await asyncio.to_thread(path.read_bytes)
-        put = await s3.put_object(Bucket=settings.bucket, Key=key, Body=data)
+        meta = {SHARD_LINES_METADATA: str(shard_lines)} if shard_lines else {}
+        put = await s3.put_object(Bucket=settings.bucket, Key=key, Body=data, Metadata=meta)
         etag = normalize_etag(put["ETag"]) or ""
         keys = output_keys(settings, key, etag)
         print(f"submitted s3://{settings.bucket}/{key} (etag {etag})", file=sys.stderr)

@@ -270,7 +270,7 @@ def test_deploy_on_moto(moto: str, archive: Path):
         dlq_arn = c["sqs"].get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])
         assert redrive == {
             "deadLetterTargetArn": dlq_arn["Attributes"]["QueueArn"],
-            "maxReceiveCount": 5,
+            "maxReceiveCount": 8,  # the workers' 5 tries + the margin of 3
         }
 
         # The async endpoint: concurrency equal to the container's bound, S3 paths, SNS topics.

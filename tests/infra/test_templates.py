@@ -157,7 +157,8 @@ def test_worker_role_is_least_privilege(serving: dict[str, Any]):
             "s3:DeleteObject",
             "s3:AbortMultipartUpload",
         },
-        "ListResultsAndShardsOnly": {"s3:ListBucket"},
+        "ListJobsResultsAndShardsOnly": {"s3:ListBucket"},
+        "FindLeftoverUploads": {"s3:ListBucketMultipartUploads"},
         "ConsumeJobs": {
             "sqs:SendMessage",
             "sqs:ReceiveMessage",
@@ -182,8 +183,8 @@ def test_worker_role_is_least_privilege(serving: dict[str, Any]):
     assert output_prefix == {"Fn::ImportValue": {"Fn::Sub": "${DataStack}-OutputPrefix"}}
     shard_prefix = granted["WorkShards"]["Resource"]["Fn::Sub"][1]["Prefix"]
     assert shard_prefix == {"Fn::ImportValue": {"Fn::Sub": "${DataStack}-ShardPrefix"}}
-    listed = granted["ListResultsAndShardsOnly"]["Condition"]["StringLike"]["s3:prefix"]
-    assert [p["Fn::Sub"][1]["Prefix"] for p in listed] == [output_prefix, shard_prefix]
+    listed = granted["ListJobsResultsAndShardsOnly"]["Condition"]["StringLike"]["s3:prefix"]
+    assert [p["Fn::Sub"][1]["Prefix"] for p in listed] == [input_prefix, output_prefix, shard_prefix]
 
 
 def test_no_wildcard_grants_beyond_the_unscopable(serving: dict[str, Any]):

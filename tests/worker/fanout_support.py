@@ -21,8 +21,8 @@ from worker.settings import WorkerSettings
 
 
 def fanout_settings(endpoint: str, **kw: Any) -> WorkerSettings:
-    """The worker tests' settings with short lines (small jobs still split) and a short merge claim."""
-    return support.settings_for(endpoint, **{"max_line_bytes": 400, "merge_claim_ttl_s": 2, **kw})
+    """The worker tests' settings with short lines (small jobs still split)."""
+    return support.settings_for(endpoint, **{"max_line_bytes": 400, **kw})
 
 
 def job_lines(n: int, run: int = 3) -> list[bytes]:

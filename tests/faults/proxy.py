@@ -1,0 +1,375 @@
+"""A loopback proxy in front of an S3/SQS endpoint that injects what real S3 and SQS do at scale,
+in the real AWS client's path (aiobotocore, botocore's retries, signing and parsing all run).
+
+Each worker gets a port of its own (:meth:`FaultProxy.endpoint`), so the proxy knows whose request it
+holds. For every request a plan (``decide``) picks an :class:`Action`:
+
+- ``lose_response``: forward the request (S3 or SQS commits it), then drop the connection before the
+  answer: botocore sees a reset and sends the same request again (a committed write whose 200 was
+  lost: S3 documents a 500 after a commit, and read timeouts do the same);
+- ``fail_503`` / ``fail_500``: answer ``SlowDown`` (S3) or ``InternalError`` without forwarding;
+- ``fake_delete``: answer an SQS ``DeleteMessage``/``DeleteMessageBatch`` with success without
+  forwarding, so the message comes back after its visibility timeout;
+- ``duplicate``: forward an SQS ``SendMessage``/``SendMessageBatch`` twice (a duplicate delivery);
+- ``redeliver``: answer a ``ReceiveMessage`` with the message another worker received last, still
+  in its hands (SQS's at-least-once: the same message, in flight, delivered to a second consumer);
+- ``delay``: forward after a pause (a slow request, so a race can be set up);
+- ``kill_before`` / ``kill_after``: the worker dies before this request reaches the endpoint, or
+  just after the endpoint committed it; from then on every request of that worker is dropped unsent
+  (``on_kill`` is told, to cancel the worker's tasks), so no ``finally`` of a dead worker can touch
+  the world;
+- ``forbid_missing`` turns a 404 on GET/HEAD of an object into the 403 ``AccessDenied`` that S3
+  answers a role without ``s3:ListBucket``; ``missing`` answers a GET/HEAD ``NoSuchKey`` without
+  forwarding (an object deleted behind the worker's back, as this worker sees it).
+
+The proxy also reads SQS ``ReceiveMessage`` answers, so a plan knows which message (and which receive
+of it) a worker is handling when it decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+HOP = {
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "expect",
+    "te",
+    "upgrade",
+}
+ACTIONS = (
+    "forward",
+    "lose_response",
+    "fail_503",
+    "fail_500",
+    "fake_delete",
+    "duplicate",
+    "kill_before",
+    "kill_after",
+    "forbid_missing",
+    "missing",
+    "delay",
+    "redeliver",
+)
+SQS_WRITES = {
+    "SendMessage",
+    "SendMessageBatch",
+    "DeleteMessage",
+    "DeleteMessageBatch",
+    "ChangeMessageVisibility",
+    "ChangeMessageVisibilityBatch",
+    "PurgeQueue",
+}
+
+
+@dataclass(frozen=True)
+class Held:
+    """The message a worker received last: its body and which receive of it this is."""
+
+    body: str
+    receive_count: int
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request as the plan sees it."""
+
+    worker: int
+    service: str  # "s3" | "sqs"
+    op: str  # PutObject, CompleteMultipartUpload, SendMessage, ...
+    key: str  # the S3 key, or the SQS queue URL's path
+    number: int  # this worker's n-th request (from 1)
+    held: Held | None  # the message this worker handles now
+    conditional: bool = False  # an S3 write with If-None-Match or If-Match
+
+    @property
+    def write(self) -> bool:
+        if self.service == "sqs":
+            return self.op in SQS_WRITES
+        return self.op not in S3_READS
+
+
+S3_READS = {
+    "GetObject",
+    "HeadObject",
+    "ListObjectsV2",
+    "ListObjects",
+    "ListMultipartUploads",
+    "ListObjectVersions",
+    "ListParts",
+    "HeadBucket",
+    "GetBucket",
+}
+
+
+def s3_op(method: str, path: str, query: dict[str, list[str]], headers: Any) -> tuple[str, str]:
+    """The S3 operation of a path-style request, and its key ('' for a bucket operation)."""
+    parts = path.lstrip("/").split("/", 1)
+    key = parts[1] if len(parts) > 1 else ""
+    if method in ("GET", "HEAD"):
+        return _s3_read(method, key, query), key
+    return _s3_write(method, key, query, headers), key
+
+
+def _s3_read(method: str, key: str, query: dict[str, list[str]]) -> str:
+    if key:
+        if method == "HEAD":
+            return "HeadObject"
+        return "ListParts" if "uploadId" in query else "GetObject"
+    for name, op in (
+        ("list-type", "ListObjectsV2"),
+        ("uploads", "ListMultipartUploads"),
+        ("versions", "ListObjectVersions"),
+    ):
+        if name in query:
+            return op
+    return "HeadBucket" if method == "HEAD" else "GetBucket"
+
+
+def _s3_write(method: str, key: str, query: dict[str, list[str]], headers: Any) -> str:
+    copy = "x-amz-copy-source" in headers
+    if method == "PUT":
+        if "partNumber" in query:
+            return "UploadPartCopy" if copy else "UploadPart"
+        return ("CopyObject" if copy else "PutObject") if key else "PutBucket"
+    if method == "POST":
+        for name, op in (
+            ("uploads", "CreateMultipartUpload"),
+            ("uploadId", "CompleteMultipartUpload"),
+            ("delete", "DeleteObjects"),
+        ):
+            if name in query:
+                return op
+        return "PostObject"
+    if method == "DELETE":
+        return "AbortMultipartUpload" if "uploadId" in query else "DeleteObject"
+    return method
+
+
+@dataclass
+class _Worker:
+    number: int = 0
+    held: Held | None = None
+    received: bytes | None = None  # the last ReceiveMessage answer that held a message
+    dead: bool = False
+
+
+Decide = Callable[[Call], str]
+
+
+@dataclass
+class FaultProxy:
+    """See the module doc. ``decide`` returns one of :data:`ACTIONS` for each call."""
+
+    upstream: str
+    decide: Decide = lambda call: "forward"
+    on_kill: Callable[[int], None] | None = None
+    counts: Counter[str] = field(default_factory=Counter)
+    log: list[tuple[int, str, str, str]] = field(default_factory=list)  # worker, op, key, action
+
+    def __post_init__(self) -> None:
+        self._workers: dict[int, _Worker] = {}
+        self._ports: dict[int, int] = {}
+        self._sites: dict[int, web.TCPSite] = {}
+        self._runner: web.AppRunner | None = None
+        self._session: ClientSession | None = None
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=1 << 31)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        self._session = ClientSession(
+            auto_decompress=False, timeout=ClientTimeout(total=120), skip_auto_headers=("Accept",)
+        )
+
+    async def endpoint(self, worker: int) -> str:
+        """The URL worker ``worker`` talks to (a port of its own)."""
+        if worker not in self._sites:
+            assert self._runner is not None, "start() first"
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self._sites[worker], self._ports[port] = site, worker
+            self._workers[worker] = _Worker()
+        port = next(p for p, w in self._ports.items() if w == worker)
+        return f"http://127.0.0.1:{port}"
+
+    def kill(self, worker: int) -> None:
+        """From now on, nothing ``worker`` sends reaches the endpoint."""
+        state = self._workers.setdefault(worker, _Worker())
+        if not state.dead:
+            state.dead = True
+            self.counts["killed_workers"] += 1
+            if self.on_kill is not None:
+                self.on_kill(worker)
+
+    def dead(self, worker: int) -> bool:
+        return self._workers.get(worker, _Worker()).dead
+
+    def held_by(self, worker: int) -> Held | None:
+        return self._workers.get(worker, _Worker()).held
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    # -- one request -------------------------------------------------------------------------------
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        worker = self._ports.get(sockname[1] if sockname else -1, -1)
+        state = self._workers.setdefault(worker, _Worker())
+        body = await request.read()
+        if state.dead:
+            return self._drop(request, "dead")
+        call = self._call(request, body, worker, state)
+        action = self.decide(call)
+        if action != "forward":
+            self.counts[action] += 1
+            self.log.append((worker, call.op, call.key, action))
+        early = self._before(request, call, action, body, state)
+        if early is not None:
+            return early
+        if action == "delay":
+            await asyncio.sleep(2.5)
+        status, headers, data = await self._forward(request, body)
+        if action == "duplicate" and call.op in ("SendMessage", "SendMessageBatch"):
+            await self._forward(request, body)
+        if call.op == "ReceiveMessage" and status == 200 and (held := _held(data)):
+            state.held, state.received = held, data
+        if action == "kill_after":
+            self.kill(worker)
+            return self._drop(request, "dead")
+        if action == "lose_response":
+            return self._drop(request, "lost")
+        if action == "forbid_missing" and status == 404 and call.op in ("GetObject", "HeadObject"):
+            return _error("s3", 403)
+        return _response(request, status, headers, data)
+
+    def _before(
+        self, request: web.Request, call: Call, action: str, body: bytes, state: _Worker
+    ) -> web.StreamResponse | None:
+        """The answer of an action that does not forward the request; None for one that does."""
+        if action == "kill_before":
+            self.kill(call.worker)
+            return self._drop(request, "dead")
+        if action in ("fail_503", "fail_500"):
+            return _error(call.service, 503 if action == "fail_503" else 500)
+        if action == "missing" and call.op in ("GetObject", "HeadObject"):
+            return _error("s3", 404)
+        if action == "fake_delete" and call.op in ("DeleteMessage", "DeleteMessageBatch"):
+            return _fake_delete(call.op, body)
+        if action == "redeliver" and call.op == "ReceiveMessage":
+            other = next(
+                (w for n, w in self._workers.items() if n != call.worker and w.received), None
+            )
+            if other is not None and other.received is not None:
+                state.held = _held(other.received)
+                return web.Response(
+                    status=200, body=other.received, content_type="application/x-amz-json-1.0"
+                )
+        return None
+
+    def _call(self, request: web.Request, body: bytes, worker: int, state: _Worker) -> Call:
+        state.number += 1
+        target = request.headers.get("X-Amz-Target", "")
+        if target.startswith("AmazonSQS."):
+            url = ""
+            with contextlib.suppress(ValueError, AttributeError):
+                url = str(json.loads(body or b"{}").get("QueueUrl", ""))
+            return Call(worker, "sqs", target.split(".", 1)[1], url, state.number, state.held)
+        form = parse_qs(body.decode("latin-1")) if b"Action=" in body[:200] else {}
+        if "Action" in form:  # SQS's query protocol
+            url = form.get("QueueUrl", [""])[0]
+            return Call(worker, "sqs", form["Action"][0], url, state.number, state.held)
+        query = parse_qs(request.query_string, keep_blank_values=True)
+        op, key = s3_op(request.method, request.path, query, request.headers)
+        conditional = "If-None-Match" in request.headers or "If-Match" in request.headers
+        return Call(worker, "s3", op, key, state.number, state.held, conditional)
+
+    async def _forward(self, request: web.Request, body: bytes) -> tuple[int, Any, bytes]:
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+        headers["Host"] = request.headers.get("Host", "")
+        url = f"{self.upstream}{request.rel_url}"
+        async with self._session.request(
+            request.method, url, headers=headers, data=body, allow_redirects=False
+        ) as answer:
+            data = await answer.read()
+            return answer.status, answer.headers, data
+
+    def _drop(self, request: web.Request, why: str) -> web.StreamResponse:
+        """Close the connection without an answer (botocore sees a reset and may retry)."""
+        self.counts[f"dropped_{why}"] += 1
+        if request.transport is not None:
+            request.transport.close()
+        return web.Response(status=500)
+
+
+def _held(data: bytes) -> Held | None:
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        messages = json.loads(data).get("Messages") or []
+        if messages:
+            message = messages[0]
+            count = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
+            return Held(message["Body"], count)
+    return None
+
+
+def _response(request: web.Request, status: int, headers: Any, data: bytes) -> web.Response:
+    keep = {
+        k: v
+        for k, v in headers.items()
+        if k.lower() not in HOP and k.lower() not in ("content-encoding", "date", "server")
+    }
+    if request.method == "HEAD":
+        # A HEAD answer has no body but says how long the object is: keep S3's Content-Length.
+        response = web.Response(status=status, headers=keep)
+        if "Content-Length" in headers:
+            response.headers["Content-Length"] = headers["Content-Length"]
+        return response
+    if "Content-Encoding" in headers:
+        keep["Content-Encoding"] = headers["Content-Encoding"]
+    return web.Response(status=status, headers=keep, body=data)
+
+
+def _error(service: str, status: int) -> web.Response:
+    if service == "sqs":
+        code = "InternalError" if status >= 500 else "AccessDenied"
+        body = json.dumps({"__type": f"com.amazonaws.sqs#{code}", "message": "injected"})
+        return web.Response(
+            status=status, body=body.encode(), content_type="application/x-amz-json-1.0"
+        )
+    code, message = {
+        503: ("SlowDown", "Please reduce your request rate."),
+        500: ("InternalError", "We encountered an internal error. Please try again."),
+        403: ("AccessDenied", "Access Denied"),
+        404: ("NoSuchKey", "The specified key does not exist."),
+    }[status]
+    xml = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>{message}</Message></Error>"
+    return web.Response(status=status, body=xml.encode(), content_type="application/xml")
+
+
+def _fake_delete(op: str, body: bytes) -> web.Response:
+    doc: dict[str, Any] = {}
+    if op == "DeleteMessageBatch":
+        entries = json.loads(body or b"{}").get("Entries", [])
+        doc = {"Successful": [{"Id": e["Id"]} for e in entries], "Failed": []}
+    return web.Response(
+        status=200, body=json.dumps(doc).encode(), content_type="application/x-amz-json-1.0"
+    )

@@ -1,0 +1,343 @@
+"""The seeded fault campaign: many runs, each a seed that picks its jobs (sizes, .jsonl/.json,
+gzip or not, odd keys, hostile and raising lines), its fleet (1-3 workers, shard size, chunk size,
+visibility) and its faults (lost answers of committed writes, refused requests, faked SQS deletes,
+duplicated sends, a message delivered to a second worker, workers killed between any two calls, a
+shard's every try killed, a role without ``s3:ListBucket``); after each, every invariant of
+:mod:`tests.worker.invariants` is checked. In the spirit of FoundationDB's simulation and Jepsen:
+the protocol is believed when this finds nothing.
+
+A seed fixes its jobs, settings and fault plan (the plan decides each request from the seed, the
+worker and that worker's request number); the interleaving of workers is the event loop's and
+moto's, so a failing seed is run again alone (``--seed N``) to replay it, and several times if it
+does not fail at once. Seeds use a bucket and queues of their own, so several run at once.
+
+    python -m tests.worker.campaign --seeds 0:2000 --concurrency 4     # make faults / make fuzz
+    python -m tests.worker.campaign --seed 1234 --verbose              # replay one
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import json
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.aws import aws_clients
+from tests.fakes import FakeEngine, decision_line
+from tests.faults.proxy import Call
+from tests.worker.fanout_support import pending
+from tests.worker.fleet import Fleet
+from tests.worker.invariants import Job, single_path_records, violations
+from worker.jobs import output_keys
+from worker.settings import WorkerSettings
+from worker.stack import ensure_stack
+
+TRIES = 4  # the workers' own tries; the redrive allows 3 more
+DEADLINE_S = 120.0
+HOSTILE = [
+    b"{not json",
+    b'{"id": "x\xff\xfe"}',  # not UTF-8
+    b'{"id": "' + b"L" * 600 + b'"}',  # over max_line_bytes=400
+    b'{"id": 7}',  # a schema error
+    b'{"id": "n", "state": ' + b"9" * 5000 + b"}",  # over max_line_bytes too
+]
+CAPS = {"lose_response": 10, "fail_503": 6, "fail_500": 6, "fake_delete": 5, "duplicate": 5}
+
+
+class RaisingEngine(FakeEngine):
+    """Raises on any batch that holds a decision whose state is ``POISON``."""
+
+    def score(self, decisions: Any) -> Any:
+        if any(d.state == "POISON" for d in decisions):
+            raise RuntimeError("this engine cannot score poison")
+        return super().score(decisions)
+
+
+# -- what a seed picks ---------------------------------------------------------------------------
+
+
+def _lines(r: random.Random, n: int) -> list[bytes]:
+    lines = [decision_line(0, state="Order 0 arrived damaged.").encode()]  # the job's first is good
+    state, run = 0, 0
+    for i in range(1, n):
+        if run == 0:
+            state, run = state + 1, r.randint(1, 4)
+        run -= 1
+        roll = r.random()
+        if roll < 0.06:
+            lines.append(decision_line(i, state="POISON").encode())
+        elif roll < 0.11:
+            lines.append(r.choice(HOSTILE))
+        else:
+            lines.append(decision_line(i, state=f"Order {state} arrived damaged.").encode())
+        if r.random() < 0.05:
+            lines.append(r.choice([b"", b"   "]))
+    return lines
+
+
+def _body(lines: list[bytes], suffix: str) -> bytes:
+    if suffix.startswith(".json") and not suffix.startswith(".jsonl"):
+        elements = [x for x in lines if x.strip() and x != b"{not json"]
+        body = b'{"meta": {"k": [1, 2]}, "decisions": [\n' + b",\n".join(elements) + b"\n]}"
+    else:
+        body = b"\n".join(lines) + b"\n"
+    return gzip.compress(body) if suffix.endswith(".gz") else body
+
+
+def _key(r: random.Random, seed: int, i: int, suffix: str) -> str:
+    name = r.choice(
+        [
+            f"job-{seed}-{i}",
+            f"with space/job {seed} {i}",
+            f"ünï/cödé-{seed}-{i}",
+            f"a+b=c,d;{seed}-{i}",
+            "deep/" * 20 + f"x{seed}-{i}",
+            "k" * 900 + f"-{seed}-{i}",
+            f"looks.like.a.folder.{'0' * 32}/x{seed}-{i}",
+        ]
+    )
+    return f"incoming/{name}{suffix}"
+
+
+@dataclass
+class Scenario:
+    seed: int
+    workers: int
+    settings: WorkerSettings
+    jobs: list[tuple[str, bytes]]
+    plan: Plan
+
+
+@dataclass
+class Plan:
+    """A seed's faults (see the module doc): ``__call__`` decides each request."""
+
+    seed: int
+    p: dict[str, float]
+    kills: dict[tuple[int, int], str]
+    forbid: bool
+    exhaust: int | None  # a shard index whose every try is killed
+    counts: Counter[str] = field(default_factory=Counter)
+
+    @classmethod
+    def pick(cls, r: random.Random, seed: int, workers: int) -> Plan:
+        p = {
+            "lose_response": r.choice([0, 0.03, 0.08]),
+            "fail": r.choice([0, 0.03, 0.06]),
+            "fake_delete": r.choice([0, 0.15, 0.3]),
+            "duplicate": r.choice([0, 0.15, 0.3]),
+            "redeliver": r.choice([0, 0, 0.1]) if workers > 1 else 0,
+        }
+        kills = {
+            (r.randrange(workers + 2), r.randint(3, 80)): r.choice(["kill_before", "kill_after"])
+            for _ in range(r.choice([0, 1, 1, 2]))
+        }
+        exhaust = r.randrange(3) if r.random() < 0.15 else None
+        return cls(seed, p, kills, r.random() < 0.25, exhaust)
+
+    def _capped(self, action: str) -> str:
+        if self.counts[action] >= CAPS.get(action, 3):
+            return "forward"
+        self.counts[action] += 1
+        return action
+
+    def __call__(self, call: Call) -> str:
+        if (kill := self.kills.pop((call.worker, call.number), None)) is not None:
+            return kill
+        if self.exhaust is not None and call.op == "GetObject" and "/in/" in call.key:
+            held = call.held
+            body = json.loads(held.body) if held else {}
+            if body.get("index") == self.exhaust and held and held.receive_count <= TRIES:
+                return "kill_before"
+        if self.forbid and call.op in ("GetObject", "HeadObject"):
+            return "forbid_missing"
+        roll = random.Random(f"{self.seed}/{call.worker}/{call.number}").random()
+        if call.write and roll < self.p["lose_response"]:
+            return self._capped("lose_response")
+        roll = random.Random(f"{self.seed}/{call.worker}/{call.number}/fail").random()
+        if roll < self.p["fail"]:
+            return self._capped("fail_503" if roll < self.p["fail"] / 2 else "fail_500")
+        roll = random.Random(f"{self.seed}/{call.worker}/{call.number}/sqs").random()
+        if call.op in ("DeleteMessage", "DeleteMessageBatch") and roll < self.p["fake_delete"]:
+            return self._capped("fake_delete")
+        if call.op in ("SendMessage", "SendMessageBatch") and roll < self.p["duplicate"]:
+            return self._capped("duplicate")
+        if call.op == "ReceiveMessage" and roll < self.p["redeliver"]:
+            return self._capped("redeliver")
+        return "forward"
+
+
+def scenario(seed: int, endpoint: str) -> Scenario:
+    r = random.Random(seed)
+    workers = r.randint(1, 3)
+    settings = WorkerSettings(
+        aws_endpoint_url=endpoint,
+        bucket=f"camp-{seed}",
+        queue_name=f"camp-{seed}-jobs",
+        dlq_name=f"camp-{seed}-dlq",
+        shard_lines=r.randint(3, 12),
+        chunk_decisions=r.randint(2, 8),
+        max_line_bytes=400,
+        max_receive_count=TRIES,
+        visibility_timeout_s=r.choice([1, 2]),
+        heartbeat_s=0.3,
+        wait_time_s=1,
+        backoff_base_s=0,
+        multipart_threshold_mb=r.choice([0, 16]),
+    )
+    jobs = []
+    for i in range(r.choice([1, 1, 2])):
+        suffix = r.choice([".jsonl", ".jsonl.gz", ".json", ".json.gz"])
+        jobs.append((_key(r, seed, i, suffix), _body(_lines(r, r.randint(4, 60)), suffix)))
+    return Scenario(seed, workers, settings, jobs, Plan.pick(r, seed, workers))
+
+
+# -- one run -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    seed: int
+    violations: list[str]
+    seconds: float
+    faults: Counter[str]
+    kills: int
+    lines: int
+    split: int  # jobs that were split into shards
+
+
+async def run_seed(seed: int, endpoint: str) -> Result:
+    """Run one seed on the moto server at ``endpoint``; what did not hold."""
+    started = time.monotonic()
+    s = scenario(seed, endpoint)
+    settings = s.settings
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await ensure_stack(s3, sqs, settings)
+        await s3.put_bucket_versioning(
+            Bucket=settings.bucket, VersioningConfiguration={"Status": "Enabled"}
+        )
+        jobs = []
+        for key, body in s.jobs:
+            put = await s3.put_object(Bucket=settings.bucket, Key=key, Body=body)
+            expected, numbers = await single_path_records(key, body, settings, RaisingEngine())
+            jobs.append(Job(key, put["ETag"].strip('"'), body, expected, numbers))
+
+        async def done() -> bool:
+            for job in jobs:
+                summary = output_keys(settings, job.key, job.etag).summary
+                got = await s3.list_objects_v2(Bucket=settings.bucket, Prefix=summary, MaxKeys=1)
+                if not got.get("Contents"):
+                    return False
+            return not await pending(sqs, stack["queue_url"])
+
+        found: list[str] = []
+        fleet = Fleet(endpoint, settings, s.plan, s.workers, lambda n: RaisingEngine())
+        async with fleet:
+            try:
+                await fleet.run_until(done, DEADLINE_S)
+            except AssertionError:
+                found.append(f"not finished within {DEADLINE_S:.0f} s (a job or message hangs)")
+        if not found:
+            found = await violations(s3, sqs, stack, settings, jobs)
+        split = 0
+        for job in jobs:
+            summary = output_keys(settings, job.key, job.etag).summary
+            got = await s3.list_objects_v2(Bucket=settings.bucket, Prefix=summary, MaxKeys=1)
+            if got.get("Contents"):
+                doc = await s3.get_object(Bucket=settings.bucket, Key=summary)
+                async with doc["Body"] as stream:
+                    split += "shards" in json.loads(await stream.read())
+    faults = Counter({k: v for k, v in fleet.proxy.counts.items() if not k.startswith("dropped")})
+    return Result(
+        seed,
+        found,
+        round(time.monotonic() - started, 2),
+        faults,
+        fleet.kills,
+        sum(len(j.numbers) for j in jobs),
+        split,
+    )
+
+
+async def run_seeds(
+    seeds: list[int], endpoint: str, concurrency: int = 4, verbose: bool = False
+) -> list[Result]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(seed: int) -> Result:
+        async with gate:
+            result = await run_seed(seed, endpoint)
+        if result.violations or verbose:
+            print(describe(result), file=sys.stderr, flush=True)
+        return result
+
+    return list(await asyncio.gather(*(one(seed) for seed in seeds)))
+
+
+def describe(result: Result) -> str:
+    head = "FAILED" if result.violations else "ok"
+    text = (
+        f"seed {result.seed} {head} in {result.seconds} s: {result.lines} lines, "
+        f"{result.split} split, {result.kills} kills, faults {dict(result.faults)}"
+    )
+    for violation in result.violations:
+        text += f"\n  - {violation}"
+    if result.violations:
+        text += f"\n  replay: .venv/bin/python -m tests.worker.campaign --seed {result.seed}"
+    return text
+
+
+def totals(results: list[Result]) -> dict[str, Any]:
+    faults: Counter[str] = Counter()
+    for result in results:
+        faults.update(result.faults)
+    return {
+        "seeds": len(results),
+        "violations": sum(len(r.violations) for r in results),
+        "failed_seeds": [r.seed for r in results if r.violations],
+        "lines": sum(r.lines for r in results),
+        "split_jobs": sum(r.split for r in results),
+        "kills": sum(r.kills for r in results),
+        "faults": dict(sorted(faults.items())),
+        "seconds_per_seed": round(sum(r.seconds for r in results) / max(1, len(results)), 2),
+        "slowest_seed_s": max((r.seconds for r in results), default=0),
+    }
+
+
+def _seeds(text: str) -> list[int]:
+    start, _, stop = text.partition(":")
+    return list(range(int(start), int(stop))) if stop else [int(start)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    import structlog
+
+    from tests.aws import moto_endpoint
+
+    parser = argparse.ArgumentParser(prog="python -m tests.worker.campaign")
+    parser.add_argument("--seeds", default="0:200", help="START:STOP (or one seed)")
+    parser.add_argument("--seed", type=int, default=None, help="replay one seed")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    level = logging.INFO if args.seed is not None and args.verbose else logging.CRITICAL
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    seeds = [args.seed] if args.seed is not None else _seeds(args.seeds)
+    started = time.monotonic()
+    results = asyncio.run(run_seeds(seeds, moto_endpoint(), args.concurrency, args.verbose))
+    summary = totals(results) | {"wall_s": round(time.monotonic() - started, 1)}
+    print(json.dumps(summary, indent=1))
+    return 1 if summary["violations"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""What must hold once a fleet has worked through its jobs, whatever faults it met: each a sentence
+of the README's exactly-once argument, checked on the bucket and the queues (direct clients, not the
+proxy). :func:`violations` returns what does not hold, empty when all does."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tests.aws import read_object, receive_all
+from tests.worker.fanout_support import pending, stripped
+from worker.formats import items_for
+from worker.jobs import JobFailed, output_keys, write_records
+from worker.settings import WorkerSettings
+
+
+@dataclass
+class Job:
+    """One input dropped in the bucket, and what the single path makes of it."""
+
+    key: str
+    etag: str
+    body: bytes
+    expected: list[dict[str, Any]] | None  # the single path's records; None if it fails the job
+    numbers: list[int]  # every input line (or element) number, in order
+
+
+async def _chunks(data: bytes) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), 4096):
+        yield data[start : start + 4096]
+
+
+async def single_path_records(
+    key: str, body: bytes, settings: WorkerSettings, engine: Any
+) -> tuple[list[dict[str, Any]] | None, list[int]]:
+    """The records the single path writes for ``body`` (None if it fails the job), and the item
+    numbers the input holds (read again without an engine)."""
+    numbers = [item.line async for item in items_for(key, _chunks(body), settings.max_line_bytes)]
+    out = io.BytesIO()
+    try:
+        items = items_for(key, _chunks(body), settings.max_line_bytes)
+        await write_records(engine, items, out, settings)
+    except JobFailed:
+        return None, numbers
+    return stripped(out.getvalue()), numbers
+
+
+async def _versions(s3: Any, bucket: str, key: str) -> int:
+    got = await s3.list_object_versions(Bucket=bucket, Prefix=key)
+    return sum(1 for v in got.get("Versions", []) if v["Key"] == key)
+
+
+def _tally(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    codes = Counter(r["error"]["code"] for r in records if "error" in r)
+    ok = sum(1 for r in records if "result" in r)
+    return {"lines": len(records), "ok": ok, "failed": len(records) - ok, "codes": dict(codes)}
+
+
+async def job_violations(
+    s3: Any, settings: WorkerSettings, job: Job
+) -> tuple[list[str], set[tuple[str, int]]]:
+    """What does not hold for one job; and its failed shards, as (key, index)."""
+    bad: list[str] = []
+    keys = output_keys(settings, job.key, job.etag)
+    where = job.key
+    written = (
+        await _versions(s3, settings.bucket, keys.results),
+        await _versions(s3, settings.bucket, keys.summary),
+    )
+    if written != (1, 1):
+        return [f"{where}: results and summary written {written} times, not (1, 1)"], set()
+    records = stripped(await read_object(s3, settings.bucket, keys.results))
+    summary = json.loads(await read_object(s3, settings.bucket, keys.summary))
+    lines = [r["line"] for r in records]
+    if lines != job.numbers:
+        bad.append(f"{where}: lines {lines[:20]}... are not every input line once, in order")
+    failed_spans = [
+        (f["first_line"], f["last_line"]) for f in summary.get("shards", {}).get("failed", [])
+    ]
+    failed_shards = {(job.key, f["index"]) for f in summary.get("shards", {}).get("failed", [])}
+    if job.expected is not None and lines == job.numbers:
+        for got, want in zip(records, job.expected, strict=True):
+            in_failed = any(a <= got["line"] <= b for a, b in failed_spans)
+            if in_failed:
+                if got.get("error", {}).get("code") != "shard_failed":
+                    bad.append(f"{where}: line {got['line']} of a failed shard is {got}")
+            elif got != want:
+                bad.append(f"{where}: line {got['line']} is {got}, the single path wrote {want}")
+                break
+    tally = _tally(records)
+    said = {
+        "lines": summary["lines"],
+        "ok": summary["ok"],
+        "failed": summary["failed"],
+        "codes": summary["errors_by_code"],
+    }
+    if said != tally:
+        bad.append(f"{where}: the summary says {said}, the results hold {tally}")
+    if "shards" in summary:
+        status_key = keys.summary.removesuffix("summary.json") + "status.json"
+        got_status = json.loads(await read_object(s3, settings.bucket, status_key))
+        want_state = "failed" if failed_spans else "done"
+        seen = (got_status["state"], got_status["lines"])
+        want = (
+            want_state,
+            {"total": tally["lines"], "done": tally["lines"], "failed": tally["failed"]},
+        )
+        if seen != want:
+            bad.append(f"{where}: the status is {seen}, not {want}")
+    return bad, failed_shards
+
+
+async def violations(
+    s3: Any, sqs: Any, stack: dict[str, str], settings: WorkerSettings, jobs: Sequence[Job]
+) -> list[str]:
+    """Every job finished once, line for line; nothing left behind; the DLQ holds only shards that
+    truly ran out of tries (each one's lines ``shard_failed`` and counted)."""
+    bad: list[str] = []
+    failed: set[tuple[str, int]] = set()
+    for job in jobs:
+        found, shards = await job_violations(s3, settings, job)
+        bad += found
+        failed |= shards
+    left = await s3.list_objects_v2(Bucket=settings.bucket, Prefix=settings.shard_prefix)
+    if left.get("Contents"):
+        bad.append(f"shard objects left: {[o['Key'] for o in left['Contents']][:5]}")
+    uploads = await s3.list_multipart_uploads(Bucket=settings.bucket)
+    if uploads.get("Uploads"):
+        bad.append(f"multipart uploads left: {[u['Key'] for u in uploads['Uploads']][:5]}")
+    if await pending(sqs, stack["queue_url"]):
+        left_messages = await receive_all(sqs, stack["queue_url"], wait=1)
+        bodies = [m["Body"][:160] for m in left_messages]
+        bad.append(f"messages left on the job queue: {bodies}")
+    dead = []
+    for _ in range(5):
+        got = await receive_all(sqs, stack["dlq_url"], wait=0)
+        if not got:
+            break
+        dead += got
+    copies = set()
+    for message in dead:
+        body = json.loads(message["Body"])
+        copy = (body.get("key"), body.get("index"))
+        if "arbiter_shard" not in body or copy not in failed:
+            bad.append(f"the DLQ holds {message['Body'][:200]}")
+        copies.add(copy)
+    if failed - copies:
+        bad.append(f"failed shards without a DLQ record: {sorted(failed - copies)}")
+    return bad

@@ -1,0 +1,21 @@
+"""The seeded fault campaign (tests/worker/campaign.py), a few dozen seeds of it: every job of every
+seed finishes once, line for line, whatever the seed's faults. `make faults` runs more seeds (and
+the black-box run), `make fuzz` thousands; ARBITER_CAMPAIGN_SEEDS=START:STOP picks others here."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tests.worker.campaign import _seeds, describe, run_seeds, totals
+
+SEEDS = os.environ.get("ARBITER_CAMPAIGN_SEEDS", "0:24")
+
+
+async def test_a_few_dozen_fault_seeds_find_nothing(endpoint: str) -> None:
+    results = await run_seeds(_seeds(SEEDS), endpoint, concurrency=6)
+    summary = totals(results)
+    print(json.dumps(summary))
+    assert summary["faults"].get("lose_response", 0) > 0 and summary["kills"] > 0
+    failed = [describe(r) for r in results if r.violations]
+    assert failed == [], "\n".join(failed)

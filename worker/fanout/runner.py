@@ -1,0 +1,239 @@
+"""What a worker does with each fan-out message: a job (:mod:`.job`), a shard, or a merge.
+
+**A shard message.** If the shard has an outcome, nothing is scored. Otherwise, unless its job is
+finished: within the worker's own tries it is scored (:mod:`.shard`) and its outcome published
+(:mod:`.outcome`); past them (its last try died: a kill, an OOM, a lost lease) it is failed without
+running, cheaply, so the job still finishes with its summary saying why. Then, whatever happened,
+the worker lists the outcomes: if every shard has one, it sends a merge message; and if the job's
+summary exists by now, it runs the job's end (a write that came after the clean-up is cleaned up
+too). Only then is the message deleted.
+
+**A merge message** merges (:mod:`.merge`), or, if the summary exists, makes sure of the job's end.
+Its retries are its own message's; a merge that fails never spends a shard's tries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from arbiter.scorer import Scorer
+from worker.events import JobRef, MergeRef, ShardRef
+from worker.fanout import status
+from worker.fanout.job import LAST_TRY, Splitter
+from worker.fanout.keys import JobFolder, job_folder
+from worker.fanout.merge import Merger
+from worker.fanout.messages import send_merge, shard_body
+from worker.fanout.outcome import Outcome, finished, publish, read_outcome
+from worker.fanout.plan import Manifest, ManifestCache, ShardSpan
+from worker.fanout.shard import ShardWork
+from worker.jobs import JobRejected, JobReport, OutputKeys, Runner, output_keys
+from worker.s3io import exists
+from worker.settings import WorkerSettings
+
+log = structlog.get_logger("arbiter.worker")
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """The SQS message a reference came in: its id (stable across redeliveries), this receive's
+    number among its tries, and why the tries ended if they did."""
+
+    message_id: str | None = None
+    receive_count: int = 1
+    reason: str | None = None
+
+
+class FanOut:
+    """Runs job, shard and merge references for one worker (see the module doc). ``tries``: the
+    worker's own limit of receives per message (the queue's redrive allows more)."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        s3: Any,
+        sqs: Any,
+        engine: Scorer,
+        queue_url: str,
+        tries: int | None = None,
+        dlq_url: str | None = None,
+        metrics: Any = None,
+        run: Runner | None = None,
+    ) -> None:
+        self.settings = settings
+        self.bucket = settings.bucket
+        self.s3, self.sqs = s3, sqs
+        self.queue_url, self.tries, self.dlq_url = queue_url, tries, dlq_url
+        self.metrics = metrics
+        self.manifests = ManifestCache()
+        self.merger = Merger(s3, settings, metrics)
+        self.work = ShardWork(settings, s3, engine, metrics, run)
+        self.splitter = Splitter(settings, s3, sqs, engine, queue_url, self.merger, metrics, run)
+
+    async def run(
+        self, ref: JobRef | ShardRef | MergeRef, delivery: Delivery | None = None
+    ) -> JobReport:
+        delivery = delivery or Delivery()
+        if isinstance(ref, ShardRef):
+            with structlog.contextvars.bound_contextvars(shard=ref.index, shards=ref.count):
+                return await self.shard(ref, delivery)
+        if isinstance(ref, MergeRef):
+            with structlog.contextvars.bound_contextvars(merge=True):
+                return await self.merge(ref)
+        out_of_tries = self.tries is not None and delivery.receive_count > self.tries
+        return await self.splitter.run(ref, out_of_tries)
+
+    def _where(self, ref: ShardRef | MergeRef) -> tuple[JobRef, JobFolder, OutputKeys]:
+        job = JobRef(ref.bucket, ref.key, ref.etag)
+        folder = job_folder(self.settings, ref.bucket, ref.key, ref.etag)
+        return job, folder, output_keys(self.settings, ref.key, ref.etag)
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.shards.labels(outcome).inc()
+
+    async def _ended(self, keys: OutputKeys, folder: JobFolder) -> bool:
+        """If the job's summary exists, make sure of its end; whether it did."""
+        if not await exists(self.s3, self.bucket, keys.summary):
+            return False
+        await self.merger.finalize(keys, folder)
+        return True
+
+    async def _manifest(self, ref: ShardRef | MergeRef, folder: JobFolder) -> Manifest | None:
+        return await self.manifests.get(self.s3, self.bucket, folder, ref.plan)
+
+    # -- shards ------------------------------------------------------------------------------------
+
+    async def shard(self, ref: ShardRef, delivery: Delivery) -> JobReport:
+        job, folder, keys = self._where(ref)
+        manifest = await self._manifest(ref, folder)
+        if manifest is None or ref.index >= manifest.count:
+            return await self._gone(job, folder, keys, f"shard {ref.index}")
+        span = manifest.shards[ref.index]
+        outcome = await read_outcome(self.s3, self.bucket, folder, ref.index)
+        if outcome is not None:
+            self._count("duplicate")
+        elif await self._ended(keys, folder):
+            self._count("duplicate")
+            return JobReport("shard", job, keys)
+        else:
+            settled = await self._settle(folder, keys, manifest, span, delivery)
+            if settled is None:  # the job ended while this shard was scored
+                await self.merger.finalize(keys, folder)
+                self._count("duplicate")
+                return JobReport("shard", job, keys)
+            outcome = settled
+        if outcome.state == "failed":
+            await self._record_failed(manifest, span.index)
+        # After this worker's write: a summary found now means the clean-up may have missed it.
+        if await self._ended(keys, folder):
+            return JobReport("shard", job, keys)
+        if await self._completes(folder, keys, manifest, outcome):
+            await send_merge(self.sqs, self.queue_url, manifest)
+        return JobReport("shard", job, keys)
+
+    async def _completes(
+        self, folder: JobFolder, keys: OutputKeys, manifest: Manifest, outcome: Outcome
+    ) -> bool:
+        """Count the shard in the status; whether this count completed it. The swaps are serial,
+        so one count completes it and one worker sends the merge message, not every one that
+        finished near the end. A shard message is deleted only once counted, so every outcome is
+        counted in the end (a count repeated is a no-op that finds the status complete: a
+        duplicate merge message, harmless). With no status (deleted, or final), the outcomes are
+        listed instead."""
+        failed = outcome.state == "failed"
+        try:
+            doc = await status.update(
+                self.s3,
+                self.bucket,
+                status.status_key(keys),
+                lambda d: status.count_shard(
+                    d, outcome.index, outcome.lines, outcome.failed, failed
+                ),
+            )
+        except Exception:
+            # Not counted: if every outcome exists already, the merge is sent anyway; else the
+            # message comes back and counts again (a count must land for the last one to see it).
+            if len(await finished(self.s3, self.bucket, folder)) >= manifest.count:
+                return True
+            raise
+        done = None if doc is None else status.complete(doc)
+        if done is None:
+            done = len(await finished(self.s3, self.bucket, folder)) >= manifest.count
+        return done
+
+    async def _settle(
+        self,
+        folder: JobFolder,
+        keys: OutputKeys,
+        manifest: Manifest,
+        span: ShardSpan,
+        delivery: Delivery,
+    ) -> Outcome | None:
+        """Score or fail the shard and publish its outcome; the outcome that counts, or None if the
+        job ended while the shard was scored (nothing is written then)."""
+
+        async def wanted() -> bool:
+            return not await exists(self.s3, self.bucket, keys.summary)
+
+        count = delivery.receive_count
+        last = self.tries is not None and count >= self.tries
+        if self.tries is not None and count > self.tries:
+            outcome = await self.work.fail(
+                folder, manifest, span, delivery.reason or LAST_TRY, count
+            )
+        else:
+            try:
+                scored = await self.work.score(folder, manifest, span, last, wanted)
+                if scored is None:
+                    return None
+                outcome = scored
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not (last or isinstance(exc, JobRejected)):
+                    raise  # retried with backoff, like a job
+                reason = f"{type(exc).__name__}: {exc}"
+                outcome = await self.work.fail(folder, manifest, span, reason, count)
+        counted, mine = await publish(self.s3, self.bucket, folder, outcome)
+        if not mine:
+            self._count("duplicate")
+            return counted
+        self._count("failed" if counted.state == "failed" else "ok")
+        log.info("shard.done", state=counted.state, lines=counted.lines, failed=counted.failed)
+        return counted
+
+    async def _record_failed(self, manifest: Manifest, index: int) -> None:
+        """A copy of a failed shard's message in the dead-letter queue, as a record for whoever
+        watches it: sent by every receive that finds the shard failed, before its message is
+        deleted, so a worker killed in between cannot lose it (a record may come twice)."""
+        if self.dlq_url:
+            await self.sqs.send_message(
+                QueueUrl=self.dlq_url, MessageBody=shard_body(manifest, index)
+            )
+            if self.metrics is not None:
+                self.metrics.dlq_moves.labels("shard_failed").inc()
+
+    async def _gone(self, job: JobRef, folder: JobFolder, keys: OutputKeys, what: str) -> JobReport:
+        if await self._ended(keys, folder):
+            self._count("duplicate")  # the job is done and its folder deleted
+            return JobReport("shard", job, keys)
+        raise JobRejected(
+            f"{what} of s3://{job.bucket}/{job.key}: its job's manifest is gone (the job's folder "
+            "was deleted or expired); re-send the job's notification to run it again"
+        )
+
+    # -- merges ------------------------------------------------------------------------------------
+
+    async def merge(self, ref: MergeRef) -> JobReport:
+        job, folder, keys = self._where(ref)
+        if await self._ended(keys, folder):
+            return JobReport("duplicate", job, keys)
+        manifest = await self._manifest(ref, folder)
+        if manifest is None:
+            return await self._gone(job, folder, keys, "the merge")
+        summary = await self.merger.merge(manifest, keys, folder)
+        return JobReport("merged", job, keys, summary)

@@ -1,0 +1,218 @@
+"""Cutting a large job into shard inputs, reading the input once.
+
+A job with more than ``shard_lines`` items is cut into contiguous ranges: every ``shard_lines``
+items, moved on by up to a quarter of that while the next item has the same state as the last (so
+its prefill is not paid twice). The cut depends on the input and the plan's settings alone
+(:func:`worker.fanout.plan.plan_id`), so any worker that cuts the same input gets the same bytes
+under the same keys. The input is streamed (raw items, see :func:`worker.formats.raw_items_for`):
+memory holds one item, disk at most two shards (the uploader sends one while the next is read).
+
+A job that would need more than :data:`~worker.fanout.plan.MAX_SHARDS` shards is refused with a clear
+error instead of a last shard that takes every remaining line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import IO, Any
+
+from arbiter.errors import ArbiterError
+from worker.events import JobRef
+from worker.fanout.frames import frame
+from worker.fanout.keys import JobFolder
+from worker.fanout.plan import MAX_SHARDS, Manifest, ShardSpan, plan_id
+from worker.formats import item_kind, raw_items_for
+from worker.jobs import JobRejected, Located, open_input, raw_chunks
+from worker.s3io import delete_prefix, upload_spool
+from worker.settings import WorkerSettings
+
+_NO_STATE = object()
+
+
+def state_of(data: bytes | ArbiterError) -> Any:
+    """The ``state`` of a raw line, parsed only at shard boundaries; a unique marker if none."""
+    if isinstance(data, ArbiterError):
+        return _NO_STATE
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError):
+        return _NO_STATE
+    return raw.get("state", _NO_STATE) if isinstance(raw, dict) else _NO_STATE
+
+
+def same_state(a: Any, b: Any) -> bool:
+    return a is not _NO_STATE and b is not _NO_STATE and a == b
+
+
+@dataclass
+class _Shard:
+    """A shard being written to its spool file."""
+
+    index: int
+    spool: IO[bytes]
+    first: int = 0
+    last: int = 0
+    items: int = 0
+    size: int = 0
+    gaps: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, number: int, data: bytes | ArbiterError) -> None:
+        framed = frame(number, data)
+        self.spool.write(framed)
+        if self.last and number > self.last + 1:
+            self.gaps.append((self.last + 1, number - 1))
+        self.first = self.first or number
+        self.last = number
+        self.items += 1
+        self.size += len(framed)
+
+    @classmethod
+    def open(cls, index: int, tmp_dir: str | None) -> _Shard:
+        # Closed by the uploader once sent, or by split_input on failure.
+        return cls(index, tempfile.TemporaryFile(dir=tmp_dir))
+
+    def span(self) -> ShardSpan:
+        return ShardSpan(
+            index=self.index,
+            first=self.first,
+            last=self.last,
+            items=self.items,
+            bytes=self.size,
+            gaps=self.gaps,
+        )
+
+
+class _Uploader:
+    """Shard inputs go up one at a time while the next is being read (at most two spools)."""
+
+    def __init__(self, s3: Any, settings: WorkerSettings, folder: JobFolder, plan: str) -> None:
+        self.s3, self.settings, self.folder, self.plan = s3, settings, folder, plan
+        self.pending: asyncio.Task[None] | None = None
+
+    async def _up(self, shard: _Shard) -> None:
+        try:
+            key = self.folder.input(self.plan, shard.index)
+            await upload_spool(self.s3, self.settings, key, shard.spool, "application/octet-stream")
+        finally:
+            shard.spool.close()
+
+    async def send(self, shard: _Shard) -> None:
+        await self.wait()
+        self.pending = asyncio.create_task(self._up(shard))
+
+    async def wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            await pending
+
+    async def cancel(self) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
+            with contextlib.suppress(BaseException):
+                await self.pending
+
+
+@dataclass
+class _Cutter:
+    """Where the boundaries go (see the module doc)."""
+
+    target: int
+    slack: int
+    kept: int = 0
+    cut: int = 0
+    last_state: Any = _NO_STATE
+
+    def boundary(self, current: _Shard, previous: bytes | ArbiterError, data: Any) -> bool:
+        """Whether ``data`` starts a new shard after ``current`` (whose last item is ``previous``)."""
+        if current.items < self.target:
+            return False
+        if current.items == self.target:
+            self.last_state = state_of(previous)
+        same = same_state(state_of(data), self.last_state)
+        if same and current.items < self.target + self.slack:
+            return False
+        self.cut += same
+        self.kept += current.items > self.target
+        return True
+
+
+def too_many(shard_lines: int) -> str:
+    lines = MAX_SHARDS * shard_lines
+    return (
+        f"the job has more than {MAX_SHARDS:,} shards of {shard_lines:,} lines ({lines:,} lines): "
+        "split it into several objects, or raise ARBITER_SHARD_LINES (or this object's "
+        "x-amz-meta-arbiter-shard-lines)"
+    )
+
+
+async def split_input(
+    s3: Any,
+    ref: JobRef,
+    found: Located,
+    folder: JobFolder,
+    settings: WorkerSettings,
+    shard_lines: int,
+) -> Manifest | None:
+    """Cut the input into shard inputs under its plan; the manifest (not written yet), or None when
+    the whole input fits in one shard (run it as one job). Raises :class:`JobRejected` if the input
+    is gone or needs more than MAX_SHARDS shards."""
+    kind = "element" if item_kind(ref.key) == "element" else "line"
+    plan = plan_id(kind, shard_lines, settings.max_line_bytes)
+    response = await open_input(s3, ref, found)
+    cutter = _Cutter(shard_lines, max(1, shard_lines // 4))
+    uploader = _Uploader(s3, settings, folder, plan)
+    shards: list[_Shard] = []
+    current = _Shard.open(0, settings.tmp_dir)
+    previous: bytes | ArbiterError = b""
+    try:
+        async with response["Body"] as body:
+            raw = raw_items_for(ref.key, raw_chunks(body), settings.max_line_bytes)
+            async for number, data in raw:
+                if cutter.boundary(current, previous, data):
+                    if len(shards) == MAX_SHARDS - 1:
+                        raise JobRejected(too_many(shard_lines))
+                    shards.append(current)
+                    await uploader.send(current)
+                    current = _Shard.open(len(shards), settings.tmp_dir)
+                current.add(number, data)
+                previous = data
+        if not shards:
+            current.spool.close()
+            return None
+        shards.append(current)
+        await uploader.send(current)
+        await uploader.wait()
+    except BaseException as exc:
+        await uploader.cancel()
+        for shard in (*shards, current):
+            shard.spool.close()
+        if isinstance(exc, JobRejected):
+            await delete_prefix(s3, settings.bucket, folder.plan_prefix(plan))
+        raise
+    now = time.time()
+    return Manifest(
+        plan=plan,
+        writer=uuid.uuid4().hex[:12],
+        input={
+            "bucket": ref.bucket,
+            "key": ref.key,
+            "etag": found.etag,
+            "version_id": ref.version_id or found.head.get("VersionId"),
+            "bytes": found.head.get("ContentLength"),
+        },
+        kind=kind,
+        shard_lines=shard_lines,
+        items=sum(s.items for s in shards),
+        shards=[s.span() for s in shards],
+        runs_kept_whole=cutter.kept,
+        runs_cut=cutter.cut,
+        created_at=datetime.fromtimestamp(now, UTC).isoformat(),
+        created_ts=now,
+    )
