@@ -132,7 +132,16 @@ class Consumer:
             received_at = time.monotonic()  # SQS's 12 h count starts at the receive request
             receive = asyncio.create_task(self._receive())
             stopped = asyncio.create_task(self._stop.wait())
-            done, _ = await asyncio.wait({receive, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait(
+                    {receive, stopped}, return_when=asyncio.FIRST_COMPLETED
+                )
+            except asyncio.CancelledError:
+                # The worker itself is cancelled: its long poll must not outlive it (it would
+                # take a message no one handles, and fail on the closed client unheard).
+                receive.cancel()
+                stopped.cancel()
+                raise
             if receive not in done:
                 # A message caught by the cancelled long poll only comes back after its
                 # visibility timeout; nothing is lost.

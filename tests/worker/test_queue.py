@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -128,3 +129,26 @@ async def test_drain_deadline_releases_the_message_at_once(endpoint: str) -> Non
         [again] = await receive_all(sqs, stack["queue_url"], wait=1)
         assert again["Attributes"]["ApproximateReceiveCount"] == "1"
         assert await list_keys(s3, "jobs", "results/") == []
+
+
+async def test_a_cancelled_worker_leaves_no_long_poll_behind(endpoint: str) -> None:
+    """A worker task cancelled during its long poll (the fleet harness's kill, a supervisor's
+    cancel) left the receive running: it could take a message no one would handle (invisible for
+    its visibility timeout) and failed on the closed client as 'Task exception was never
+    retrieved'."""
+    settings = settings_for(endpoint, wait_time_s=5)
+    async with aws_clients(endpoint) as (s3, sqs):
+        await ensure_stack(s3, sqs, settings)
+        consumer, _ = await make_consumer(settings, s3, sqs, FakeEngine())
+        task = asyncio.create_task(consumer.run())
+        await asyncio.sleep(0.5)  # in the long poll
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)  # let the cancellations be delivered
+        polls = [
+            t
+            for t in asyncio.all_tasks()
+            if not t.done() and getattr(t.get_coro(), "__name__", "") == "_receive"
+        ]
+        assert polls == []
