@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import gzip
 import json
 import random
@@ -27,6 +28,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+import structlog
 
 from tests.aws import aws_clients
 from tests.fakes import FakeEngine, decision_line
@@ -265,16 +268,43 @@ async def run_seed(seed: int, endpoint: str) -> Result:
     )
 
 
+# The log events of the seed whose task logs them (its fleet's tasks inherit the variable): a
+# failing seed prints its own workers' story, since most seeds fail only in one interleaving and a
+# replay need not fail again.
+SEED_LOG: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "campaign_seed_log", default=None
+)
+FAILED_LOG_LINES = 200
+PRINT_LOGS = False  # a replay with --verbose prints every event as it happens
+
+
+def keep_seed_log(_: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """structlog processor: the event into its seed's log; printed only when replaying."""
+    lines = SEED_LOG.get()
+    if lines is not None:
+        fields = " ".join(f"{k}={v}" for k, v in event.items() if k != "event")
+        lines.append(f"{time.time():.3f} {method} {event.get('event')} {fields}")
+    if not PRINT_LOGS:
+        raise structlog.DropEvent
+    return event
+
+
 async def run_seeds(
     seeds: list[int], endpoint: str, concurrency: int = 4, verbose: bool = False
 ) -> list[Result]:
     gate = asyncio.Semaphore(concurrency)
 
     async def one(seed: int) -> Result:
+        lines: list[str] = []
+        SEED_LOG.set(lines)  # this task's context: the seed's fleet inherits it
         async with gate:
             result = await run_seed(seed, endpoint)
         if result.violations or verbose:
             print(describe(result), file=sys.stderr, flush=True)
+        if result.violations and not PRINT_LOGS:
+            tail = lines[-FAILED_LOG_LINES:]
+            print(f"  its workers' last {len(tail)} log events:", file=sys.stderr)
+            print("\n".join(f"    {line}" for line in tail), file=sys.stderr, flush=True)
         return result
 
     return list(await asyncio.gather(*(one(seed) for seed in seeds)))
@@ -318,8 +348,6 @@ def _seeds(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     import logging
 
-    import structlog
-
     from tests.aws import moto_endpoint
 
     parser = argparse.ArgumentParser(prog="python -m tests.worker.campaign")
@@ -328,8 +356,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
-    level = logging.INFO if args.seed is not None and args.verbose else logging.CRITICAL
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
+    global PRINT_LOGS
+    PRINT_LOGS = args.seed is not None and args.verbose
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            keep_seed_log,
+            structlog.processors.TimeStamper(fmt="%H:%M:%S.%f"),
+            structlog.dev.ConsoleRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+    )
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     seeds = [args.seed] if args.seed is not None else _seeds(args.seeds)
     started = time.monotonic()
