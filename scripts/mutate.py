@@ -260,6 +260,16 @@ MUTATIONS = (
             "test_serve_listens_on_every_interface_in_a_container_unless_told",
         ),
     ),
+    Mutation(
+        "late-outcome-is-nobodys",
+        "worker/fanout/outcome.py",
+        "        await delete_quietly(s3, bucket, outcome.output)\n        return None",
+        "        await delete_quietly(s3, bucket, outcome.output)\n        return outcome, False",
+        (
+            "tests/worker/test_fanout_faults.py::"
+            "test_a_shard_failed_as_its_job_ends_sends_no_dlq_record",
+        ),
+    ),
 )
 
 

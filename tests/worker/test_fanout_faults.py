@@ -354,9 +354,11 @@ async def test_8_a_shard_scored_and_failed_at_once_has_one_outcome_and_a_true_su
         span = manifest.shards[1]
         done = await fanout.work.score(folder, manifest, span, last_try=False)
         failed = await fanout.work.fail(folder, manifest, span, "its last try died", 3)
-        (a, a_mine), (b, b_mine) = await asyncio.gather(
+        first, second = await asyncio.gather(
             publish(s3, "jobs", folder, done), publish(s3, "jobs", folder, failed)
         )
+        assert first is not None and second is not None
+        (a, a_mine), (b, b_mine) = first, second
         outputs = [k for k in await list_keys(s3, "jobs", f"{folder.base}out/00001.")]
         async with Fleet(endpoint, settings, workers=2) as fleet:
             await fleet.run_until(_finished(s3, sqs, stack, settings, [job]), 60)
@@ -366,6 +368,60 @@ async def test_8_a_shard_scored_and_failed_at_once_has_one_outcome_and_a_true_su
     assert a == b and a_mine != b_mine  # one outcome, the same for both writers
     assert outputs == [a.output]  # the loser's records are gone
     assert bad == []
+
+
+async def test_a_shard_failed_as_its_job_ends_sends_no_dlq_record(
+    endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Campaign seed 1005: a worker past a shard's tries fails it while another scores it; the
+    other's outcome wins, the merge ends the job and deletes its folder, and only then does the
+    failing worker read back the outcome that beat it: none. It took its own failed outcome for
+    the shard's and sent a DLQ record for a shard the results hold as done."""
+    from worker.fanout import FanOut, outcome
+    from worker.fanout.keys import job_folder
+    from worker.fanout.messages import shard_body
+    from worker.fanout.plan import read_manifest
+    from worker.fanout.runner import Delivery
+
+    settings = _settings(endpoint)
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await _stack(s3, sqs, settings)
+        job = await _drop(s3, settings, "incoming/late.jsonl", _body(12))
+        fanout = FanOut(settings, s3, sqs, FakeEngine(), stack["queue_url"], 2, stack["dlq_url"])
+        ref = parse_message(
+            json.dumps({"bucket": "jobs", "key": job.key}), bucket="jobs", input_prefix="incoming/"
+        )[0]
+        await fanout.run(ref)  # type: ignore[arg-type]
+        folder = job_folder(settings, "jobs", job.key, job.etag)
+        manifest = await read_manifest(s3, "jobs", folder)
+        assert manifest is not None and manifest.count >= 2
+        keys = output_keys(settings, job.key, job.etag)
+        for span in manifest.shards[1:]:  # every other shard done, by other workers
+            published = await outcome.publish(
+                s3, "jobs", folder, await fanout.work.score(folder, manifest, span, last_try=False)
+            )
+            assert published is not None
+        real_put_new = outcome.put_new
+
+        async def the_race(s3_: Any, bucket: str, key: str, doc: Any) -> bool:
+            if key == folder.outcome(0) and doc["state"] == "failed":
+                # The other worker publishes first, and the merge ends the job ...
+                won = await fanout.work.score(folder, manifest, manifest.shards[0], last_try=True)
+                assert await outcome.publish(s3, "jobs", folder, won) is not None
+                written = await real_put_new(s3_, bucket, key, doc)  # ... so this write loses
+                await fanout.merger.merge(manifest, keys, folder)
+                return written
+            return await real_put_new(s3_, bucket, key, doc)
+
+        monkeypatch.setattr(outcome, "put_new", the_race)
+        shard0 = parse_message(shard_body(manifest, 0), bucket="jobs", input_prefix="incoming/")[0]
+        await fanout.run(shard0, Delivery("late", 3))  # past the 2 tries: fails the shard
+        dead = await receive_all(sqs, stack["dlq_url"], wait=0)
+        # The split's shard messages were never taken by a worker here: the job ended without them.
+        await sqs.purge_queue(QueueUrl=stack["queue_url"])
+        found = await violations(s3, sqs, stack, settings, [job])
+    assert dead == []
+    assert found == []
 
 
 async def test_9_a_failed_shard_whose_input_is_gone_still_has_one_record_per_line(

@@ -58,16 +58,18 @@ async def read_outcome(s3: Any, bucket: str, folder: JobFolder, index: int) -> O
 
 async def publish(
     s3: Any, bucket: str, folder: JobFolder, outcome: Outcome
-) -> tuple[Outcome, bool]:
+) -> tuple[Outcome, bool] | None:
     """Write the shard's outcome unless it has one; the outcome that counts, and whether it is this
-    attempt's (see the module doc)."""
+    attempt's (see the module doc). None when the job ended meanwhile: the outcome that counted
+    was there and its folder is gone, so this attempt's outcome is nobody's (a failed one taken
+    for the shard's sent a DLQ record for a shard the results hold as done: campaign seed 1005)."""
     key = folder.outcome(outcome.index)
     if await put_new(s3, bucket, key, outcome.model_dump(mode="json")):
         return outcome, True
     existing = await read_outcome(s3, bucket, folder, outcome.index)
     if existing is None:  # the job finished and its folder went meanwhile
         await delete_quietly(s3, bucket, outcome.output)
-        return outcome, False
+        return None
     if existing.attempt == outcome.attempt:
         return existing, True
     await delete_quietly(s3, bucket, outcome.output)

@@ -121,7 +121,7 @@ class FanOut:
             return JobReport("shard", job, keys)
         else:
             settled = await self._settle(folder, keys, manifest, span, delivery)
-            if settled is None:  # the job ended while this shard was scored
+            if settled is None:  # the job ended while this shard was scored or failed
                 await self.merger.finalize(keys, folder)
                 self._count("duplicate")
                 return JobReport("shard", job, keys)
@@ -174,7 +174,7 @@ class FanOut:
         delivery: Delivery,
     ) -> Outcome | None:
         """Score or fail the shard and publish its outcome; the outcome that counts, or None if the
-        job ended while the shard was scored (nothing is written then)."""
+        job ended while the shard was scored or failed (nothing of this attempt is kept then)."""
 
         async def wanted() -> bool:
             return not await exists(self.s3, self.bucket, keys.summary)
@@ -198,7 +198,10 @@ class FanOut:
                     raise  # retried with backoff, like a job
                 reason = f"{type(exc).__name__}: {exc}"
                 outcome = await self.work.fail(folder, manifest, span, reason, count)
-        counted, mine = await publish(self.s3, self.bucket, folder, outcome)
+        published = await publish(self.s3, self.bucket, folder, outcome)
+        if published is None:  # the job ended while this shard was scored or failed
+            return None
+        counted, mine = published
         if not mine:
             self._count("duplicate")
             return counted
