@@ -155,6 +155,7 @@ class Scoring:
         n_prefix = len(prefix)
         one_pass = settings.parallel_branches and len(prepared) == 1
         cache_state: Literal["hit", "miss", "off"] = "off"
+        key = None
         if cache.enabled:
             key = prefix_key(self.weights_id, prefix)
             saved = cache.get(key)
@@ -166,24 +167,17 @@ class Scoring:
                     # from an empty sequence 0, as a cold run does.
                     self.llama.remove(0)
                 cache_state = "miss"
-                if one_pass:
-                    self._one_pass(prepared[0])
-                    # The cache keeps the state's cells alone: the rest of sequence 0 is dropped
-                    # (a model whose memory cannot drop a tail, a recurrent one, is not cached).
-                    if self.llama.remove(0, n_prefix, -1):
-                        state = self.llama.save(cache.limit_bytes)
-                        if state is not None:
-                            cache.put(key, state)
-                    return GroupRun(n_prefix, cache_state, time.perf_counter() - started)
-                self.llama.prefill(prefix)
-                state = self.llama.save(cache.limit_bytes)
-                if state is not None:
-                    cache.put(key, state)
-        elif one_pass:
+        if one_pass and cache_state != "hit":
             self._one_pass(prepared[0])
+            # The cache keeps the state's cells alone: the rest of sequence 0 is dropped (a model
+            # whose memory cannot drop a tail, a recurrent one, is not cached).
+            if key is not None and self.llama.remove(0, n_prefix, -1):
+                self._keep(cache, key)
             return GroupRun(n_prefix, cache_state, time.perf_counter() - started)
-        else:
+        if cache_state != "hit":
             self.llama.prefill(prefix)
+            if key is not None:
+                self._keep(cache, key)
         budget = self.llama.n_ctx - n_prefix
         chunk: list[Prepared] = []
         used = 0
@@ -203,6 +197,12 @@ class Scoring:
             labels = max(labels, p.label_branches)
         self._decode_branches(n_prefix, chunk)
         return GroupRun(n_prefix, cache_state, time.perf_counter() - started)
+
+    def _keep(self, cache: PrefixCache, key: str) -> None:
+        """Sequence 0 (the state's cells alone) into the cache, if it fits."""
+        state = self.llama.save(cache.limit_bytes)
+        if state is not None:
+            cache.put(key, state)
 
     def _one_pass(self, p: Prepared) -> None:
         """A question alone, its state not cached, prefilled with its state in one decode in
