@@ -5,21 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from arbiter.lines import Line, score_lines
+from arbiter.lines import Line, numbered_lines, score_lines
 
 if TYPE_CHECKING:
     Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                yield number, line
 
 
 def cmd_decide(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
@@ -29,7 +21,7 @@ def cmd_decide(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     from arbiter.engine import open_engine
 
     engine = open_engine(model=args.model)
-    lines = list(_lines(Path(args.file)))
+    lines = list(numbered_lines(Path(args.file)))
     failures = 0
     with tqdm(total=len(lines), unit="decision", file=sys.stderr, disable=args.quiet) as bar:
         for start in range(0, len(lines), args.chunk):

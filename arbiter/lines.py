@@ -7,7 +7,8 @@ and the same file posted to a SageMaker endpoint give the same records.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -19,6 +20,14 @@ from arbiter.schema import DecisionRequest, DecisionResult
 from arbiter.scorer import Scorer
 
 log = get_logger("arbiter.lines")
+
+
+def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """A JSON Lines file's non-blank lines with their 1-based numbers."""
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                yield number, line
 
 
 def validation_error(exc: ValidationError, prefix: str | None = None) -> InvalidDecision:

@@ -12,26 +12,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from arbiter import prompt as prompts
 from arbiter.errors import ArbiterError, TooManyOptions
-from arbiter.lines import echo_id, parse_decision_line
+from arbiter.lines import echo_id, numbered_lines, parse_decision_line
 from arbiter.schema import MAX_OPTIONS, DecisionRequest
 
 if TYPE_CHECKING:
     from arbiter.engine.prompting import Prompts
 
     Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                yield number, line
 
 
 def describe(view: Prompts, chunk: Sequence[tuple[int, str]]) -> list[dict[str, Any]]:
@@ -112,7 +105,7 @@ def cmd_prompt(args: argparse.Namespace, out: TextIO | None = None) -> int:
     llama = Llama(resolved.path, settings, vocab_only=True)
     try:
         view = open_prompts(llama, settings, profile)
-        lines = list(_lines(Path(args.file)))
+        lines = list(numbered_lines(Path(args.file)))
         failures = 0
         for start in range(0, len(lines), args.chunk):
             for record in describe(view, lines[start : start + args.chunk]):
