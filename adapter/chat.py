@@ -19,7 +19,14 @@ from typing import Any, Literal
 
 import numpy as np
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from adapter import budgets
 from adapter.admission import Slot
@@ -38,7 +45,7 @@ from adapter.openapi import JSON, SSE_EVENT, Operation
 from adapter.parameters import GenerationArgs, GenerationFields, generation_args, refuse_unsupported
 from adapter.state import REQUEST_LOG, STATE, RequestLog, State
 from arbiter.engine import Engine, Generation
-from arbiter.errors import ContextLengthExceeded, InvalidDecision
+from arbiter.errors import ContextLengthExceeded, InvalidDecision, UnsupportedParameter
 from arbiter.lines import validation_error
 from arbiter.prompt import PLAIN_STOPS, Segments, render_chat
 from arbiter.schema import Text
@@ -57,16 +64,33 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A message: its role, its content (null only on an assistant message, as OpenAI allows),
+    and its ``name`` (given to the chat template). Any other field is refused by name unless it
+    is null or empty (``refusal: null``, ``tool_calls: []``: what a client echoes back of a reply)."""
+
+    model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+
+    @model_validator(mode="after")
+    def _null_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content may be null on an assistant message only, not {self.role}")
+        return self
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def unsupported(self) -> list[str]:
+        """The fields set that this server does not honour (``tool_calls``, ``audio``, ...)."""
+        return [k for k, v in (self.model_extra or {}).items() if v not in (None, [], {}, "")]
 
 
 class StreamOptions(BaseModel):
@@ -117,11 +141,15 @@ def render(
     bos_text: str,
     eos_text: str,
     template_kwargs: dict[str, Any] | None = None,
+    prefill: bool = True,
 ) -> Segments:
-    """The prompt as (text, is_template) segments, ending where the assistant's reply starts
-    (``arbiter.prompt.render_chat``)."""
+    """The prompt as (text, is_template) segments, ending where the assistant's reply starts, or,
+    with ``prefill`` and a last assistant message, inside it (``arbiter.prompt.render_chat``)."""
     pairs = [(m.role, m.text) for m in messages]
-    return render_chat(pairs, template, bos_text, eos_text, template_kwargs)
+    names = [m.name for m in messages]
+    return render_chat(
+        pairs, template, bos_text, eos_text, template_kwargs, names=names, prefill=prefill
+    )
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -144,7 +172,7 @@ OPERATION = Operation(
     request={JSON: ChatCompletionRequest},
     ok="A chat completion, or server-sent events when stream is true",
     ok_bodies={JSON: ChatCompletion, "text/event-stream": SSE_EVENT},
-    errors=(400, 401, 408, 413, 415, 422, 500, 503),
+    errors=(400, 401, 408, 413, 415, 500, 503),
 )
 
 
@@ -205,9 +233,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 def _request(raw: dict[str, Any]) -> ChatCompletionRequest:
     refuse_unsupported(raw, ChatCompletionRequest)
     try:
-        return ChatCompletionRequest.model_validate(raw)
+        parsed = ChatCompletionRequest.model_validate(raw)
     except ValidationError as exc:
         raise validation_error(exc) from exc
+    for i, message in enumerate(parsed.messages):
+        for key in message.unsupported():
+            raise UnsupportedParameter(
+                f"messages[{i}].{key} is not supported: messages carry role, content and name",
+                param=f"messages.{i}.{key}",
+            )
+    return parsed
 
 
 async def respond(request: web.Request, state: State, raw: dict[str, Any]) -> web.StreamResponse:
@@ -224,6 +259,7 @@ async def respond(request: web.Request, state: State, raw: dict[str, Any]) -> we
             engine.bos_text,
             engine.eos_text,
             chat_request.template_kwargs,
+            state.settings.chat_prefill_assistant,
         )
         return engine.encode_segments(segments)
 

@@ -22,8 +22,10 @@ Before the exec, in this order, each failure a one-line reason on stderr and exi
 5. the model is resolved exactly as the engine resolves it, and its sha256 checked against the
    ``model-manifest.json`` beside it; a path that cannot be written or read (a read-only root
    filesystem, a model dir without permission) is named in the reason, never a traceback.
-6. the prompt profile (``ARBITER_PROMPT_PROFILE``, or the manifest's) is parsed and checked, and a
-   profile's own labels tokenized in the model's vocabulary (a vocabulary-only load, no weights);
+6. the prompt profile (``ARBITER_PROMPT_PROFILE``, or the manifest's) is parsed and checked, the
+   model's chat template rendered for a decision (a template error is one line naming
+   ``tokenizer.chat_template``), and a profile's own labels tokenized in the model's vocabulary
+   (a vocabulary-only load, no weights);
    each LoRA adapter (``ARBITER_LORA``, ``SM_LLAMA_CPP_LORA``, or the manifest's) is checked against
    the model's tensors and its sha256 against the manifest.
 
@@ -146,7 +148,7 @@ def preflight(
     """Everything checked before the exec, on ``os.environ`` (which the exec passes on, image
     defaults applied); returns what was found, logged as one JSON line."""
     from arbiter.engine.backends import load_backends, route_llama_logs
-    from arbiter.engine.prompting import check_prompts
+    from arbiter.engine.prompting import check_prompts, check_template
     from arbiter.lora import resolve_adapters
     from arbiter.models import _find_in_dir, resolve_model, verify
     from arbiter.profiles import DEFAULT_PROFILE, resolve_profile
@@ -176,7 +178,9 @@ def preflight(
         # weights loaded; the built-in's letters are checked by the engine's load as before).
         profile = resolve_profile(engine.prompt_profile, resolved)
         if profile.source != f"builtin:{DEFAULT_PROFILE}":
-            check_prompts(resolved.path, engine, profile)
+            check_prompts(resolved.path, engine, profile)  # its labels, and the template
+        else:
+            check_template(resolved.path, engine, profile)  # from the header: milliseconds
         adapters = resolve_adapters(engine.lora, resolved, engine.model_dir)
     except ModelLoadError as exc:
         raise Refused(exc.message) from exc

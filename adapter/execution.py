@@ -14,14 +14,14 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Literal
 
 from aiohttp import web
 from pydantic import BaseModel
 
 from adapter.openapi import JSON, Operation
-from adapter.state import STATE, State
+from adapter.state import STATE, State, Throughput
+from arbiter.errors import MalformedRequest
 from arbiter.lines import score_lines
 from arbiter.logging import get_logger
 from arbiter.scorer import Scorer
@@ -65,12 +65,6 @@ def probe_lines(count: int = 2, salt: str = "") -> list[bytes]:
     ]
 
 
-@dataclass(frozen=True)
-class Throughput:
-    seconds_per_mb: float
-    lines_per_s: float
-
-
 def measure(engine: Scorer) -> Throughput:
     """Score the probe lines one engine call each, as the JSON Lines path would."""
     lines = probe_lines(salt=uuid.uuid4().hex[:8])  # never a cached prefix: a cold measure
@@ -96,47 +90,80 @@ class ExecutionParameters(BaseModel):
     MaxPayloadInMB: int
 
 
+TIMEOUT_PARAMETER = "InvocationsTimeoutInSeconds"
 OPERATION = Operation(
     summary="Batch Transform hints",
     ok="MaxConcurrentTransforms (ARBITER_MAX_IN_FLIGHT), BatchStrategy MULTI_RECORD, and "
     "MaxPayloadInMB: ARBITER_BATCH_MAX_PAYLOAD_MB, or sized from this machine's measured speed so "
-    "one mini-batch takes at most half of ARBITER_BATCH_INVOCATION_TIMEOUT_S",
+    "one mini-batch takes at most half of ARBITER_BATCH_INVOCATION_TIMEOUT_S (or of the "
+    "InvocationsTimeoutInSeconds asked for)",
     ok_bodies={JSON: ExecutionParameters},
+    errors=(400, 500, 503),
+    error_notes={400: "InvocationsTimeoutInSeconds is not a whole number of 1 to 3600"},
+    parameters=(
+        {
+            "name": TIMEOUT_PARAMETER,
+            "in": "query",
+            "required": False,
+            "schema": {"type": "integer", "minimum": 1, "maximum": 3600},
+            "description": "size MaxPayloadInMB for this transform job's timeout rather than the "
+            "container's ARBITER_BATCH_INVOCATION_TIMEOUT_S (SageMaker sends none: there the "
+            "job's Environment sets the variable; `arbiter transform` sends its job's)",
+        },
+    ),
 )
 
 
+def _asked_timeout(request: web.Request) -> float | None:
+    raw = request.query.get(TIMEOUT_PARAMETER)
+    if raw is None:
+        return None
+    if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= 3600):
+        raise MalformedRequest(
+            f"{TIMEOUT_PARAMETER} is a whole number of seconds, 1 to 3600 (got {raw[:20]!r})",
+            param=TIMEOUT_PARAMETER,
+            code="invalid_parameter",
+        )
+    return float(raw)
+
+
 async def execution_parameters(request: web.Request) -> web.Response:
-    """`GET /execution-parameters`, measured once when no MaxPayloadInMB is configured."""
+    """`GET /execution-parameters`, the speed measured once when no MaxPayloadInMB is configured."""
     state = request.app[STATE]
     s = state.settings
+    timeout_s = _asked_timeout(request)
     params = ExecutionParameters(
         MaxConcurrentTransforms=s.max_in_flight,
         BatchStrategy="MULTI_RECORD",
-        MaxPayloadInMB=s.batch_max_payload_mb or await batch_payload(state),
+        MaxPayloadInMB=s.batch_max_payload_mb or await batch_payload(state, timeout_s),
     )
     return web.json_response(params.model_dump())
 
 
-async def batch_payload(state: State) -> int:
-    """MaxPayloadInMB from this machine's measured speed, measured once under a compute slot."""
+async def batch_payload(state: State, timeout_s: float | None = None) -> int:
+    """MaxPayloadInMB for ``timeout_s`` (default: ARBITER_BATCH_INVOCATION_TIMEOUT_S) from this
+    machine's speed, measured once under a compute slot."""
     async with state.sizing:
-        if state.batch_payload_mb is None:
+        if state.batch_speed is None:
             engine = state.holder.require()
             async with state.admission.slot() as slot:
-                speed = await slot.run(measure, engine)
-            timeout_s = state.settings.batch_invocation_timeout_s
-            state.batch_payload_mb = payload_mb(speed, timeout_s)
-            fits = state.batch_payload_mb * speed.seconds_per_mb <= timeout_s * BUDGET_SHARE
-            (log.info if fits else log.warning)(
-                "batch_payload_sized",
-                max_payload_mb=state.batch_payload_mb,
-                seconds_per_mb=round(speed.seconds_per_mb, 1),
-                lines_per_s=round(speed.lines_per_s, 2),
-                invocation_timeout_s=timeout_s,
-                fits=fits,
-                advice=None
-                if fits
-                else "raise ModelClientConfig.InvocationsTimeoutInSeconds (at most 3600) and "
-                "ARBITER_BATCH_INVOCATION_TIMEOUT_S to match",
-            )
-        return state.batch_payload_mb
+                state.batch_speed = await slot.run(measure, engine)
+        speed = state.batch_speed
+    timeout_s = timeout_s or state.settings.batch_invocation_timeout_s
+    mb = payload_mb(speed, timeout_s)
+    if state.batch_sized.get(timeout_s) is None:
+        state.batch_sized[timeout_s] = mb
+        fits = mb * speed.seconds_per_mb <= timeout_s * BUDGET_SHARE
+        (log.info if fits else log.warning)(
+            "batch_payload_sized",
+            max_payload_mb=mb,
+            seconds_per_mb=round(speed.seconds_per_mb, 1),
+            lines_per_s=round(speed.lines_per_s, 2),
+            invocation_timeout_s=timeout_s,
+            fits=fits,
+            advice=None
+            if fits
+            else "raise ModelClientConfig.InvocationsTimeoutInSeconds (at most 3600) and "
+            "ARBITER_BATCH_INVOCATION_TIMEOUT_S to match",
+        )
+    return mb

@@ -89,6 +89,11 @@ class Metrics:
         )
         self.model_ready = Gauge("arbiter_model_ready", "1 once the model is loaded.", registry=r)
         self.model = Info("arbiter_model", "The served model.", registry=r)
+        self.read_check_mass = Gauge(
+            "arbiter_read_check_allowed_mass",
+            "The median label mass of the read check's probe decisions at load.",
+            registry=r,
+        )
 
     def observe_decision(self, outcome: DecisionResult | Exception) -> None:
         if isinstance(outcome, DecisionResult):

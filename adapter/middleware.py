@@ -61,17 +61,23 @@ def request_id(custom_attributes: str | None, inference_id: str | None = None) -
 # -- errors ----------------------------------------------------------------------------------------
 
 
-def error_response(error: ArbiterError) -> web.Response:
-    """``{"error": {type, code, message, param}}`` with the error's status, or FastAPI's
-    ``{"detail": ...}`` for an API that speaks it; ``Retry-After`` on a 503, ``WWW-Authenticate``
-    on a 401."""
+# OpenAI's own routes answer a refused request with 400 (as OpenAI and llama.cpp's server do: the
+# ``openai`` client raises BadRequestError for it), where Arbiter's other routes answer 422.
+OPENAI_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+def error_response(error: ArbiterError, openai: bool = False) -> web.Response:
+    """``{"error": {type, code, message, param}}`` with the error's status (422 as 400 on
+    ``openai`` routes), or FastAPI's ``{"detail": ...}`` for an API that speaks it;
+    ``Retry-After`` on a 503, ``WWW-Authenticate`` on a 401."""
     headers = {}
     if isinstance(error, Unavailable):
         headers["Retry-After"] = str(error.retry_after)
     if isinstance(error, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
     body = {"detail": error.detail} if error.detail is not None else {"error": error.to_dict()}
-    return web.json_response(body, status=error.status, headers=headers)
+    status = 400 if openai and error.status == 422 else error.status
+    return web.json_response(body, status=status, headers=headers)
 
 
 def _as_error(exc: Exception) -> ArbiterError:
@@ -142,7 +148,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             info.extra["stream_error"] = error.code
             response = stream.response
         else:
-            response = error_response(error)
+            response = error_response(error, openai=route in OPENAI_ROUTES)
     _finish(state, info, route, response.status, started)
     return response
 

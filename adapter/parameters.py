@@ -89,7 +89,10 @@ class GenerationFields(BaseModel):
     top_k: int = Field(default=0, ge=0, lt=2**31, description="llama.cpp: 0 switches it off.")
     min_p: float = Field(default=0.0, ge=0, le=1, description="llama.cpp: 0 switches it off.")
     seed: int | None = Field(
-        default=None, ge=-(2**63), lt=2**64, description="Same seed, same output (per build)."
+        default=None,
+        ge=-(2**63),
+        lt=2**64,
+        description="Same seed, same output (per build); -1 (llama.cpp's server): a random one.",
     )
     stop: Text | list[Text] | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="Choices, sharing one prefill.")
@@ -174,6 +177,10 @@ class GenerationArgs:
         }
 
 
+# Seeds llama.cpp's server reads as "draw a random seed": -1, and LLAMA_DEFAULT_SEED (0xFFFFFFFF).
+RANDOM_SEEDS = frozenset({-1, 0xFFFFFFFF})
+
+
 def generation_args(
     fields: GenerationFields,
     engine: Engine,
@@ -195,7 +202,7 @@ def generation_args(
         top_p=fields.top_p,
         top_k=fields.top_k,
         min_p=fields.min_p,
-        seed=fields.seed,
+        seed=None if fields.seed in RANDOM_SEEDS else fields.seed,
         presence_penalty=fields.presence_penalty,
         frequency_penalty=fields.frequency_penalty,
         repeat_penalty=fields.repeat_penalty,

@@ -16,7 +16,10 @@ from arbiter.settings import EngineSettings, ServerSettings
 
 def serve(host: str | None = None, port: int | None = None, model: Path | None = None) -> int:
     """Read the settings (``ARBITER_*``, SageMaker's, ``SM_LLAMA_CPP_*``), configure logging, and
-    serve until SIGTERM or SIGINT; 1 when the model cannot be loaded, 2 for a refused setting."""
+    serve until SIGTERM or SIGINT; 1 when the model cannot be loaded, 2 for a refused setting.
+    The model's, adapters' and profile's files are checked before the port is bound: a refusal
+    there reaches ``arbiter``'s main as one line (status 2), not a server that starts to die."""
+    from arbiter.engine import check_files
     from arbiter.logging import configure, get_logger
     from arbiter.settings import from_environment
 
@@ -29,6 +32,8 @@ def serve(host: str | None = None, port: int | None = None, model: Path | None =
     server_settings = server_settings.model_copy(update=updates)
     if model is not None:
         engine_settings = engine_settings.model_copy(update={"model": model})
+    check_files(engine_settings)
+    check_before_listening(engine_settings)  # the chat template renders a decision
     configure(json=server_settings.log_json, level=server_settings.log_level)
     log = get_logger("arbiter.serve")
     from arbiter import memory
@@ -43,6 +48,18 @@ def serve(host: str | None = None, port: int | None = None, model: Path | None =
             note="these llama-server flags have no meaning in Arbiter and are ignored",
         )
     return asyncio.run(_serve(server_settings, engine_settings, log))
+
+
+def check_before_listening(settings: EngineSettings) -> None:
+    """What refuses a model before the port opens, each in one line (``ModelLoadError``): the
+    model found, its prompt profile, and its chat template rendering a decision (from the GGUF's
+    header: milliseconds). Loading the weights, and what needs them, follows after `listening`."""
+    from arbiter.engine.prompting import check_template
+    from arbiter.models import resolve_model
+    from arbiter.profiles import resolve_profile
+
+    resolved = resolve_model(settings.model, settings.model_dir)
+    check_template(resolved.path, settings, resolve_profile(settings.prompt_profile, resolved))
 
 
 def listening(settings: ServerSettings) -> tuple[str, str]:

@@ -24,6 +24,15 @@ from arbiter.settings import ServerSettings
 log = get_logger("arbiter.http")
 
 
+@dataclass(frozen=True)
+class Throughput:
+    """How fast this container scores JSON Lines, measured once (``adapter.execution``) to size
+    Batch Transform's payloads."""
+
+    seconds_per_mb: float
+    lines_per_s: float
+
+
 class EngineHolder:
     """Owns the engine's lifetime: loaded in a thread at start-up, closed at shutdown."""
 
@@ -39,7 +48,9 @@ class EngineHolder:
             self.engine = await asyncio.to_thread(self._factory)
         except Exception as exc:
             self.error = exc
-            log.error("model_load_failed", error=str(exc), exc_info=True)
+            # A refusal says what is wrong in its message; anything else keeps its traceback.
+            refused = isinstance(exc, ArbiterError)
+            log.error("model_load_failed", error=str(exc), exc_info=not refused)
         else:
             log.info(
                 "model_loaded",
@@ -70,7 +81,8 @@ class State:
     admission: Admission
     metrics: Metrics
     openapi: bytes
-    batch_payload_mb: int | None = None  # measured once (adapter.execution)
+    batch_speed: Throughput | None = None  # measured once (adapter.execution)
+    batch_sized: dict[float, int] = field(default_factory=dict)  # MaxPayloadInMB by timeout, logged
     warming: bool = False  # /ping waits for the start-up measurement under Batch Transform
     sizing: asyncio.Lock = field(default_factory=asyncio.Lock)
 

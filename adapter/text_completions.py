@@ -77,7 +77,7 @@ OPERATION = Operation(
     request={JSON: CompletionRequest},
     ok="A text completion, or server-sent events when stream is true",
     ok_bodies={JSON: TextCompletion, "text/event-stream": SSE_EVENT},
-    errors=(400, 401, 408, 413, 415, 422, 500, 503),
+    errors=(400, 401, 408, 413, 415, 500, 503),
 )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 COMMANDS = {
     "decide": "arbiter.decide",
     "prompt": "arbiter.show_prompt",
+    "models": "arbiter.model_store",
     "serve": "adapter.cli",
     "entrypoint": "adapter.cli",
     "openapi": "adapter.cli",
@@ -46,9 +47,25 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. A refusal (a missing model, a bad setting or profile, no AWS credentials:
+    :mod:`arbiter.refusals`) is one line on stderr and status 2, as argparse's own; a bug keeps
+    its traceback."""
     import sys
+
+    from arbiter.refusals import refusal
 
     args_in = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in args_in if not a.startswith("-")), None)
     args = build_parser(command).parse_args(args_in)
-    return int(args.func(args) or 0)
+    # Logs go to stderr from the first line: commands such as decide write their answers on stdout.
+    from arbiter.logging import configure
+
+    configure()
+    try:
+        return int(args.func(args) or 0)
+    except Exception as exc:
+        line = refusal(exc)
+        if line is None:
+            raise
+        print(f"arbiter {args.command}: {line}", file=sys.stderr)
+        return 2

@@ -19,8 +19,13 @@ def cmd_decide(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     from tqdm import tqdm
 
     from arbiter.engine import open_engine
+    from arbiter.errors import ModelLoadError
 
-    engine = open_engine(model=args.model)
+    try:
+        engine = open_engine(model=args.model)
+    except ModelLoadError as exc:  # a refused model, template or profile: one line, no traceback
+        print(f"arbiter decide: {exc.message}", file=sys.stderr)
+        return 2
     lines = list(numbered_lines(Path(args.file)))
     failures = 0
     with tqdm(total=len(lines), unit="decision", file=sys.stderr, disable=args.quiet) as bar:

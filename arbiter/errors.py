@@ -85,6 +85,18 @@ class LabelVocabularyError(ModelLoadError):
     code = "label_tokens_unusable"
 
 
+class TemplateRefused(ModelLoadError):
+    """The model's chat template cannot render a decision prompt."""
+
+    code = "chat_template_unusable"
+
+
+class ReadCheckRefused(ModelLoadError):
+    """The start-up probes put too little probability on the labels where they are read."""
+
+    code = "read_check_failed"
+
+
 class EngineFailure(ArbiterError):
     """llama.cpp reported an error while computing (not the caller's fault)."""
 

@@ -20,6 +20,43 @@ _FORMATS = {
     10: "<Q", 11: "<q", 12: "<d",
 }  # fmt: skip
 _SIZES = {kind: struct.calcsize(fmt) for kind, fmt in _FORMATS.items()}
+# ``general.file_type``'s values (llama.cpp's ``llama_ftype``): the quantization a file reports.
+FILE_TYPES = {
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    19: "IQ2_XXS",
+    20: "IQ2_XS",
+    21: "Q2_K_S",
+    22: "IQ3_XS",
+    23: "IQ3_XXS",
+    24: "IQ1_S",
+    25: "IQ4_NL",
+    26: "IQ3_S",
+    27: "IQ3_M",
+    28: "IQ2_S",
+    29: "IQ2_M",
+    30: "IQ4_XS",
+    31: "IQ1_M",
+    32: "BF16",
+    36: "TQ1_0",
+    37: "TQ2_0",
+    38: "MXFP4",
+}
+
 _STRING, _ARRAY = 8, 9
 
 
@@ -117,5 +154,39 @@ def read_header(path: Path) -> GGUFHeader:
             cursor.take("<I")  # type
             cursor.take("<Q")  # offset
         return GGUFHeader(strings, floats, tensors)
+    finally:
+        data.close()
+
+
+TOKENS_KEY = "tokenizer.ggml.tokens"
+
+
+def token_texts(path: Path, ids: dict[str, int]) -> dict[str, str]:
+    """The texts of a few tokens of the vocabulary (``name -> id`` in, ``name -> text`` out; an id
+    outside the vocabulary is ""), read from the header without decoding the rest."""
+    with path.open("rb") as handle:
+        data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        cursor = _Cursor(data)
+        cursor.at = 4 + 4 + 8  # magic, version, tensor count
+        for _ in range(cursor.take("<Q")):
+            key = cursor.string()
+            kind = cursor.take("<I")
+            if key != TOKENS_KEY or kind != _ARRAY:
+                cursor.value(kind)
+                continue
+            item, count = cursor.take("<I"), cursor.take("<Q")
+            if item != _STRING:
+                raise GGUFError(f"{TOKENS_KEY} is not an array of strings")
+            found = dict.fromkeys(ids, "")
+            wanted = {token for token in ids.values() if 0 <= token < count}
+            for index in range(max(wanted, default=-1) + 1):
+                if index in wanted:
+                    text = cursor.string()
+                    found.update({name: text for name, token in ids.items() if token == index})
+                else:
+                    cursor.skip_string()
+            return found
+        return dict.fromkeys(ids, "")
     finally:
         data.close()

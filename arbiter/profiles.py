@@ -116,6 +116,17 @@ class Profile:
     def codes_name(self) -> str:
         return self.spec.codes_name or f"{self.spec.name}-codes"
 
+    @property
+    def builtin(self) -> bool:
+        return self.source.startswith("builtin:")
+
+    def version(self, codes: bool) -> str:
+        """The name a result's ``prompt.version`` reports: a built-in's own, a file's with its
+        sha256 (``ticket-yes-no-v1@3f2a9c1b7d4e``), so a file named like a built-in, or an edited
+        file that kept its name, never reports the same version."""
+        name = self.codes_name if codes else self.name
+        return name if self.builtin else f"{name}@{self.sha256[:12]}"
+
     def instruction(self, codes: bool) -> str:
         if codes and self.spec.codes_instruction:
             return self.spec.codes_instruction

@@ -18,7 +18,7 @@ from typing import Any
 
 import jinja2
 
-from arbiter import templates
+from arbiter import answer_position, templates
 from arbiter.errors import InvalidDecision
 from arbiter.profiles import Profile, load_profile
 
@@ -62,7 +62,7 @@ def plain_layout(profile: Profile, codes: bool = False) -> PromptLayout:
         tail="",
         content_preamble=profile.instruction(codes) + "\n\n",
         answer_cue=profile.spec.answer_cue.plain,
-        version=f"{profile.codes_name if codes else profile.name}/plain",
+        version=f"{profile.version(codes)}/plain",
         chat=False,
         profile=profile,
         codes=codes,
@@ -84,43 +84,50 @@ def chat_layout(
 ) -> PromptLayout:
     """Render the model's own chat template once, around a sentinel that marks the content.
 
-    Rendered for a decision (``templates.decision_kwargs``: no thinking, no tools, the date of
-    ``now``), and closed after any reasoning block the generation prompt leaves open
-    (``templates.close_reasoning``), so the labels are read where the model writes its answer.
-    The profile's chat answer cue comes after that.
+    Rendered for a decision (``answer_position.switches``: every reasoning switch the template
+    reads turned off, no tools, the date of ``now``), then continued to where the model writes its
+    answer (``answer_position.closure``: the rest of a reasoning block, or the answer's header, as
+    the template's own assistant turn writes it), so the labels are read there. The profile's
+    chat answer cue comes after that. Raises ``jinja2.TemplateError`` when the template cannot
+    render a decision, ``ValueError`` when it does not place the content exactly once.
     """
     profile = profile or load_profile(None)
     instruction = profile.instruction(codes)
+    kwargs = answer_position.switches(template)
 
-    def render(messages: list[dict[str, str]]) -> str:
+    def render(messages: Sequence[Mapping[str, Any]], generation_prompt: bool = True) -> str:
         return templates.render(
             template,
             messages,
             bos_token=bos_token,
             eos_token=eos_token,
             now=now,
-            kwargs=templates.decision_kwargs(template),
+            kwargs=kwargs,
+            generation_prompt=generation_prompt,
         )
 
     preamble = ""
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": instruction},
+        {"role": "user", "content": _SENTINEL},
+    ]
     try:
-        text = render(
-            [{"role": "system", "content": instruction}, {"role": "user", "content": _SENTINEL}]
-        )
+        text = render(messages)
     except jinja2.exceptions.TemplateError:
         # Templates without a system role: the instruction goes into the user turn.
-        text = render([{"role": "user", "content": _SENTINEL}])
+        messages = [{"role": "user", "content": _SENTINEL}]
+        text = render(messages)
         preamble = instruction + "\n\n"
     if text.count(_SENTINEL) != 1:
-        raise ValueError("chat template does not place the user content exactly once")
+        raise ValueError("the chat template does not place the user content exactly once")
     head, tail = text.split(_SENTINEL)
-    closure = templates.close_reasoning(template, tail)
+    closure = answer_position.closure(template, tail, render, messages, _SENTINEL)
     return PromptLayout(
         head=head,
         tail=tail + closure.text + profile.spec.answer_cue.chat,
         content_preamble=preamble,
         answer_cue="",
-        version=f"{profile.codes_name if codes else profile.name}/chat",
+        version=f"{profile.version(codes)}/chat",
         chat=True,
         profile=profile,
         codes=codes,
@@ -153,7 +160,8 @@ def render_content(
 
 
 def version(layout: PromptLayout) -> str:
-    """The prompt version a result reports: the profile's name (its codes name for codes)."""
+    """The prompt version a result reports: the profile's name (its codes name for codes), a
+    profile file's with its sha256 (``Profile.version``), and the layout's kind."""
     return layout.version
 
 
@@ -196,6 +204,9 @@ def render_chat(
     bos_text: str,
     eos_text: str,
     template_kwargs: Mapping[str, Any] | None = None,
+    *,
+    names: Sequence[str | None] | None = None,
+    prefill: bool = False,
 ) -> Segments:
     """A chat prompt from (role, text) messages, as (text, is_template) segments ending where the
     assistant's reply starts: the model's chat template around the messages, or, for a model
@@ -208,19 +219,32 @@ def render_chat(
     was quadratic in the number of messages).
 
     ``template_kwargs`` are the caller's (``enable_thinking``, ``reasoning_effort``, ...): a chat
-    completion keeps the template's own defaults unless the request sets them.
+    completion keeps the template's own defaults unless the request sets them. ``names`` are the
+    messages' ``name`` fields, given to the template. ``prefill``: a last assistant message is
+    the start of the reply (llama.cpp's server does this by default): rendered without the
+    generation prompt and cut after its text, so the reply continues it.
     """
     roles = [("system" if role == "developer" else role) for role, _ in messages]
+    prefilled = prefill and bool(roles) and roles[-1] == "assistant"
     if not template:
         lines = [f"{role}: {text.strip()}" for role, (_, text) in zip(roles, messages, strict=True)]
+        if prefilled:
+            return [("\n".join([*lines[:-1], f"assistant: {messages[-1][1].lstrip()}"]), False)]
         return [("\n".join(lines) + "\nassistant:", False)]
+    marked: list[dict[str, str]] = []
+    for i, role in enumerate(roles):
+        message = {"role": role, "content": _MARK.format(i)}
+        if names is not None and names[i]:
+            message["name"] = str(names[i])
+        marked.append(message)
     try:
         text = templates.render(
             template,
-            [{"role": r, "content": _MARK.format(i)} for i, r in enumerate(roles)],
+            marked,
             bos_token=bos_text,
             eos_token=eos_text,
             kwargs=template_kwargs,
+            generation_prompt=not prefilled,
         )
     except jinja2.exceptions.TemplateError as exc:
         raise InvalidDecision(
@@ -241,11 +265,18 @@ def render_chat(
             segments.append((text[end : match.start()], True))
         segments.append((messages[index][1], False))
         end = match.end()
-    if end < len(text):
-        segments.append((text[end:], True))
+    if end < len(text) and not prefilled:
+        segments.append((text[end:], True))  # prefilled: the turn's end is not written
     if any(count != 1 for count in placed):
         raise InvalidDecision(
             "the model's chat template does not place every message exactly once",
+            param="messages",
+            code="chat_template_error",
+        )
+    if prefilled and segments[-1] != (messages[-1][1], False):
+        raise InvalidDecision(
+            "the model's chat template writes the last assistant message before another one; "
+            "it cannot be continued",
             param="messages",
             code="chat_template_error",
         )

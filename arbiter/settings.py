@@ -8,8 +8,10 @@ llama.cpp image's ``SM_LLAMA_CPP_*`` flags included; the worker pool's are in ``
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from datetime import date
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -17,6 +19,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from arbiter.errors import UnsupportedSetting
 
 MB = 1024 * 1024  # settings in MB are read as MiB
+# The read check's default threshold, set by measurement on the models here (docs/models.md).
+READ_CHECK_MIN_MASS = 0.3
 
 
 def cpu_count() -> int:
@@ -87,6 +91,20 @@ class EngineSettings(BaseSettings):
             "of a profile file (TOML: instruction, layout, labels, answer cue; docs/models.md). "
             "Unset: the one the model's manifest packs, else the default."
         ),
+    )
+    read_check: Literal["refuse", "warn", "off"] = Field(
+        default="refuse",
+        description=(
+            "The read check at load: a few built-in decisions are scored and their label mass "
+            "(allowed_mass) reported; under ARBITER_READ_CHECK_MIN_MASS the engine refuses to "
+            "start (refuse), serves with a warning (warn), or the check is skipped (off)."
+        ),
+    )
+    read_check_min_mass: float = Field(
+        default=READ_CHECK_MIN_MASS,
+        ge=0,
+        le=1,
+        description="The least median label mass the read check accepts (measured: docs/models.md).",
     )
     prompt_date: date | None = Field(
         default=None,
@@ -162,6 +180,14 @@ class ServerSettings(BaseSettings):
     )
     chat_max_tokens: int = Field(
         default=256, ge=1, description="Chat completion tokens when the request sets no max_tokens."
+    )
+    chat_prefill_assistant: bool = Field(
+        default=True,
+        description=(
+            "A chat whose last message is the assistant's continues that message (llama.cpp's "
+            "server default; its --no-prefill-assistant is false here): the reply starts inside "
+            "it, not in a new turn."
+        ),
     )
     body_read_timeout_s: float = Field(
         default=30.0,
@@ -289,7 +315,25 @@ def from_environment() -> tuple[EngineSettings, ServerSettings, list[str]]:
     Returns the unknown ``SM_LLAMA_CPP_*`` names too, for a single warning at start-up. A model hub
     flag is refused: nothing is ever downloaded.
     """
-    env = os.environ
+    engine_kw, server_kw, unknown = _sagemaker_flags(os.environ)
+    if "SAGEMAKER_BIND_TO_PORT" in os.environ and "ARBITER_HOST" not in os.environ:
+        server_kw["host"] = "0.0.0.0"  # an inference pipeline's container, reached from outside
+    server = ServerSettings(**server_kw)  # type: ignore[arg-type]  # strings, validated
+    return _engine_settings(engine_kw), server, unknown
+
+
+def engine_from_environment() -> EngineSettings:
+    """The engine's settings as ``arbiter serve`` reads them (``SM_LLAMA_CPP_*`` below
+    ``ARBITER_*``), for the commands that load an engine without a server: ``decide``, ``prompt``,
+    ``eval``, ``calibrate`` and the worker pool."""
+    return _engine_settings(_sagemaker_flags(os.environ)[0])
+
+
+def _sagemaker_flags(
+    env: Mapping[str, str],
+) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """The engine's and the server's settings that ``SM_LLAMA_CPP_*`` give (where no
+    ``ARBITER_*`` does), and the flags that mean nothing here."""
     engine_kw: dict[str, str] = {}
     server_kw: dict[str, str] = {}
     unknown: list[str] = []
@@ -317,10 +361,11 @@ def from_environment() -> tuple[EngineSettings, ServerSettings, list[str]]:
             if field == "lora" and field in target:  # --lora and --lora-scaled together
                 mapped = f"{target[field]},{mapped}"
             target[field] = mapped
-    if "SAGEMAKER_BIND_TO_PORT" in env and "ARBITER_HOST" not in env:
-        server_kw["host"] = "0.0.0.0"  # an inference pipeline's container, reached from outside
-    server = ServerSettings(**server_kw)  # type: ignore[arg-type]  # strings, validated
-    engine = EngineSettings(**engine_kw)  # type: ignore[arg-type]
+    return engine_kw, server_kw, unknown
+
+
+def _engine_settings(engine_kw: dict[str, str]) -> EngineSettings:
+    engine = EngineSettings(**engine_kw)  # type: ignore[arg-type]  # strings, validated
     if "model" in engine_kw and engine.model is not None and not engine.model.is_absolute():
         engine = engine.model_copy(update={"model": engine.model_dir / engine.model})
-    return engine, server, unknown
+    return engine

@@ -17,20 +17,37 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from arbiter import prompt as prompts
-from arbiter.errors import ArbiterError, TooManyOptions
+from arbiter.errors import ArbiterError, ModelLoadError, TooManyOptions
 from arbiter.lines import echo_id, numbered_lines, parse_decision_line
 from arbiter.schema import MAX_OPTIONS, DecisionRequest
+from arbiter.settings import EngineSettings
 
 if TYPE_CHECKING:
+    from arbiter.engine.preparing import Preparer
     from arbiter.engine.prompting import Prompts
 
     Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
-def describe(view: Prompts, chunk: Sequence[tuple[int, str]]) -> list[dict[str, Any]]:
-    """One record per line of a chunk: the decision's prompt, or the error the engine would give."""
-    from arbiter.engine.prompting import prompt_sha256
+def preparer_for(view: Prompts, n_ctx: int) -> Preparer:
+    """The engine's own checks of a decision for a context of ``n_ctx`` tokens (its labels, its
+    floor from bytes, its exact length), over ``view``."""
+    from arbiter.engine.cost import CostFloor
+    from arbiter.engine.preparing import Preparer
 
+    head, tail = view.fewest_around()
+    floor = CostFloor(n_ctx, view.llama.max_piece_bytes(), head, tail)
+    return Preparer(view, view.labels, floor)
+
+
+def describe(
+    view: Prompts, chunk: Sequence[tuple[int, str]], preparer: Preparer | None = None
+) -> list[dict[str, Any]]:
+    """One record per line of a chunk: the decision's prompt, or the error the engine would give
+    (``preparer``: the engine's own checks, for the default context when None)."""
+    from arbiter.engine.preparing import decision_error
+
+    preparer = preparer or preparer_for(view, EngineSettings.model_fields["n_ctx"].default)
     records: list[dict[str, Any]] = []
     built: list[tuple[dict[str, Any], DecisionRequest, Any]] = []
     for number, line in chunk:
@@ -42,22 +59,24 @@ def describe(view: Prompts, chunk: Sequence[tuple[int, str]]) -> list[dict[str, 
                     "supported",
                     param="options",
                 )
+            state_bytes = len(prompts.state_text(request.state).encode("utf-8", "surrogatepass"))
+            prepared = preparer.prepare(number, request, state_bytes)
             text = view.text(request)
-            tokens = view.tokens(view.render(request))
-        except ArbiterError as exc:
-            records.append({"line": number, "id": _id(line), "error": exc.to_dict()})
+        except Exception as exc:  # the engine's typed error for this decision, as it scores it
+            error = exc if isinstance(exc, ArbiterError) else decision_error(exc)
+            records.append({"line": number, "id": _id(line), "error": error.to_dict()})
             continue
         record = {
             "line": number,
             "id": request.id,
-            "version": view.version(request),
-            "sha256": prompt_sha256(text),
-            "tokens": len(tokens),
+            "version": prepared.prompt_version,
+            "sha256": prepared.prompt_sha256,
+            "tokens": len(prepared.tokens),
             "prefix_tokens": 0,
             "text": text,
         }
         records.append(record)
-        built.append((record, request, tokens))
+        built.append((record, request, prepared.tokens))
     groups: dict[tuple[str, prompts.PromptLayout], list[tuple[dict[str, Any], Any]]] = {}
     for record, request, tokens in built:
         key = (prompts.state_text(request.state), view.layout_for(len(request.options)))
@@ -89,26 +108,36 @@ def _write_text(record: dict[str, Any], out: TextIO) -> None:
 
 
 def cmd_prompt(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Print each decision's prompt; exit 1 when no line is a decision."""
+    """Print each decision's prompt; exit 1 when no line is a decision, 2 when the model, its
+    template or the profile is refused (one line on stderr, as `arbiter decide` says it)."""
     out = out or sys.stdout
     from arbiter.engine.llama import Llama
     from arbiter.engine.prompting import open_prompts
     from arbiter.models import resolve_model
     from arbiter.profiles import resolve_profile
-    from arbiter.settings import EngineSettings
+    from arbiter.settings import engine_from_environment
 
-    settings = EngineSettings()
+    settings = engine_from_environment()  # as `arbiter serve` reads it, SM_LLAMA_CPP_* included
     if args.profile is not None:
         settings = settings.model_copy(update={"prompt_profile": args.profile})
-    resolved = resolve_model(args.model or settings.model, settings.model_dir)
-    profile = resolve_profile(settings.prompt_profile, resolved)
-    llama = Llama(resolved.path, settings, vocab_only=True)
     try:
-        view = open_prompts(llama, settings, profile)
+        resolved = resolve_model(args.model or settings.model, settings.model_dir)
+        profile = resolve_profile(settings.prompt_profile, resolved)
+        llama = Llama(resolved.path, settings, vocab_only=True)
+    except ModelLoadError as exc:  # one line, as the engine's load refuses it
+        print(f"arbiter prompt: {exc.message}", file=sys.stderr)
+        return 2
+    try:
+        try:
+            view = open_prompts(llama, settings, profile)
+        except ModelLoadError as exc:
+            print(f"arbiter prompt: {exc.message}", file=sys.stderr)
+            return 2
+        preparer = preparer_for(view, settings.n_ctx)
         lines = list(numbered_lines(Path(args.file)))
         failures = 0
         for start in range(0, len(lines), args.chunk):
-            for record in describe(view, lines[start : start + args.chunk]):
+            for record in describe(view, lines[start : start + args.chunk], preparer):
                 failures += "error" in record
                 if args.json:
                     out.write(json.dumps(record, ensure_ascii=False) + "\n")

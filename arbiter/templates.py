@@ -2,9 +2,13 @@
 and, for a decision, what each family needs to answer at once with no tools and no reasoning.
 
 Templates are Jinja written for ``transformers``: its globals (``raise_exception``,
-``strftime_now``), its ``tojson`` (no HTML escaping), ``tools=None`` and ``documents=None`` when
-there are none, and any keyword the caller adds (``enable_thinking``, ``reasoning_effort``, ...).
-They are rendered in Jinja's immutable sandbox: a template reads what it is given and nothing else.
+``strftime_now``), its ``tojson`` (no HTML escaping), its ``{% generation %}`` tag (which marks the
+assistant's tokens for training and renders its body), and any keyword the caller adds
+(``enable_thinking``, ``reasoning_effort``, ...). As llama.cpp's server renders them, ``tools`` and
+``functions`` are left undefined when there are none (a template iterates an undefined name as
+empty, where ``None`` would fail), an undefined name joined to a string is the empty string, and
+``datetime`` and ``date_string`` carry the day. They are rendered in Jinja's immutable sandbox: a
+template reads what it is given and nothing else.
 
 A decision is read at the end of the generation prompt, so that position must be where the model
 writes its answer. Today's families differ in how they get there (``decision_kwargs``,
@@ -28,21 +32,24 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Keys a caller's ``chat_template_kwargs`` may not set: the renderer's own inputs.
 RESERVED_KWARGS = frozenset(
-    {"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token"}
+    {"messages", "add_generation_prompt", "tools", "functions", "documents", "bos_token", "eos_token"}
 )
-# llama.cpp's server passes the date in this form (``date_string``; Llama 3.x reads it).
+# llama.cpp's server passes the date in these forms (``date_string``: Llama 3.x; ``datetime``:
+# firefunction-v2).
 DATE_STRING_FORMAT = "%d %b %Y"
+DATETIME_FORMAT = "%b %d %Y"
 
 
 def _raise_exception(message: str) -> None:
@@ -62,11 +69,42 @@ def _tojson(
     )
 
 
+class GenerationTag(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}``: renders its body unchanged (it
+    marks the assistant's tokens for ``return_assistant_tokens_mask``; llama.cpp ignores it)."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2.ext.Extension declares it a set)
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)  # the tag's name
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+class Unset(jinja2.Undefined):
+    """A name the template was not given. As in llama.cpp's renderer, joined to a string it is the
+    empty string (firefunction-v2 appends ``functions`` to its system prompt); otherwise it is
+    Jinja's own undefined (iterated as empty, falsy, ``is defined`` false, an error when used as a
+    value)."""
+
+    def __add__(self, other: object) -> Any:
+        if isinstance(other, str):
+            return other
+        return super().__add__(other)
+
+    def __radd__(self, other: object) -> Any:
+        if isinstance(other, str):
+            return other
+        return super().__radd__(other)
+
+
 @functools.lru_cache(maxsize=8)
 def compile_template(template: str) -> jinja2.Template:
     """A chat template compiled in the immutable sandbox with transformers' environment."""
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, GenerationTag],
+        undefined=Unset,
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -81,11 +119,13 @@ def render(
     eos_token: str,
     now: datetime | None = None,
     kwargs: Mapping[str, Any] | None = None,
+    generation_prompt: bool = True,
 ) -> str:
-    """The template over ``messages`` with the generation prompt, no tools and no documents.
+    """The template over ``messages``, with the generation prompt unless ``generation_prompt`` is
+    False; no tools, no functions, no documents (each left undefined, as llama.cpp leaves them).
 
-    ``now`` is what ``strftime_now`` and ``date_string`` read (the current time when None).
-    Raises ``jinja2.TemplateError`` (``raise_exception``, or a template error of its own).
+    ``now`` is what ``strftime_now``, ``date_string`` and ``datetime`` read (the current time when
+    None). Raises ``jinja2.TemplateError`` (``raise_exception``, or a template error of its own).
     """
     when = now or datetime.now()
 
@@ -95,14 +135,13 @@ def render(
     context: dict[str, Any] = {
         "strftime_now": strftime_now,
         "date_string": when.strftime(DATE_STRING_FORMAT),
+        "datetime": when.strftime(DATETIME_FORMAT),
         **(kwargs or {}),
     }
     try:
         return compile_template(template).render(
             messages=[dict(m) for m in messages],
-            tools=None,
-            documents=None,
-            add_generation_prompt=True,
+            add_generation_prompt=generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
             **context,
@@ -111,89 +150,6 @@ def render(
         raise
     except Exception as exc:  # a template that fails on its own inputs (TypeError, ...)
         raise jinja2.exceptions.TemplateError(f"{type(exc).__name__}: {exc}") from exc
-
-
-# -- reading a decision: no thinking, no tools ----------------------------------------------------
-
-GPT_OSS_CHANNEL = "<|channel|>"
-
-
-def decision_kwargs(template: str) -> dict[str, Any]:
-    """The keywords a decision is rendered with: no thinking; gpt-oss also at its lowest effort."""
-    kwargs: dict[str, Any] = {"enable_thinking": False}
-    if GPT_OSS_CHANNEL in template:
-        kwargs["reasoning_effort"] = "low"
-    return kwargs
-
-
-@dataclass(frozen=True)
-class ReasoningBlock:
-    """A family's reasoning block: how it opens and closes, and what closes it when left open."""
-
-    name: str
-    opens: str
-    closes: str
-    closing: Callable[[str], str]  # the text that closes it, given the prompt so far
-
-
-def _newline_then(text: str) -> Callable[[str], str]:
-    return lambda prompt: ("" if prompt.endswith("\n") else "\n") + text
-
-
-GPT_OSS_FINAL = "<|start|>assistant<|channel|>final<|message|>"
-GPT_OSS_EMPTY_ANALYSIS = "<|channel|>analysis<|message|><|end|>"
-BLOCKS = (
-    # Qwen3's own closed block is "<think>\n\n</think>\n\n".
-    ReasoningBlock("think", "<think>", "</think>", _newline_then("\n</think>\n\n")),
-    ReasoningBlock(
-        "gemma4-thought", "<|channel>thought", "<channel|>", _newline_then("<channel|>")
-    ),
-    ReasoningBlock(
-        "gpt-oss-analysis",
-        "<|channel|>analysis<|message|>",
-        "<|end|>",
-        lambda _: "<|end|>" + GPT_OSS_FINAL,
-    ),
-    ReasoningBlock("mistral-think", "[THINK]", "[/THINK]", lambda _: "[/THINK]"),
-    ReasoningBlock(
-        "command-thinking", "<|START_THINKING|>", "<|END_THINKING|>", lambda _: "<|END_THINKING|>"
-    ),
-)
-
-
-def open_block(text: str) -> ReasoningBlock | None:
-    """The reasoning block ``text`` ends inside (opened and not closed after), if any."""
-    found: tuple[int, ReasoningBlock] | None = None
-    for block in BLOCKS:
-        start = text.rfind(block.opens)
-        if start == -1 or block.closes in text[start + len(block.opens) :]:
-            continue
-        if found is None or start > found[0]:
-            found = (start, block)
-    return found[1] if found else None
-
-
-@dataclass(frozen=True)
-class Closure:
-    """What was appended to a decision's generation prompt so the answer comes next."""
-
-    block: str | None  # the block's name; None when the template left nothing open
-    text: str
-
-
-def close_reasoning(template: str, tail: str) -> Closure:
-    """The text that puts the read position after any reasoning block ``tail`` leaves open.
-
-    ``tail`` is the rendered prompt after the user's content. gpt-oss's generation prompt stops at
-    ``<|start|>assistant``, where the model must name a channel: the analysis channel is written
-    empty and closed, and the final one opened.
-    """
-    block = open_block(tail)
-    if block is not None:
-        return Closure(block.name, block.closing(tail))
-    if GPT_OSS_CHANNEL in template and tail.endswith("<|start|>assistant"):
-        return Closure("gpt-oss-analysis", GPT_OSS_EMPTY_ANALYSIS + GPT_OSS_FINAL)
-    return Closure(None, "")
 
 
 # -- chat completions: the caller's choice ---------------------------------------------------------

@@ -24,6 +24,7 @@ SUITES = (
     "abuse",
     "soak",
     "peers",
+    "transform",
     "all",
 )
 MODULES = {"soak": "bench.soak"}  # the others are bench/<suite>_bench.py
@@ -57,6 +58,7 @@ def register(sub: Any) -> None:
 
     models = suites.add_parser("models", help="compare the bundled candidate models")
     models.add_argument("--file", default="examples/labeled.jsonl", help="labeled decisions")
+    models.add_argument("--limit", type=int, default=0, help="the first N decisions (0: all)")
     models.add_argument("--json", action="store_true")
 
     http = suites.add_parser("http", help="HTTP overhead vs the engine, and an overload soak")
@@ -96,6 +98,11 @@ def register(sub: Any) -> None:
     )
     faults.add_argument("--lines", type=int, default=60)
     faults.add_argument("--questions", type=int, default=10)
+
+    transform = suites.add_parser(
+        "transform", help="arbiter transform's peak memory over one large object, streamed"
+    )
+    transform.add_argument("--mb", type=int, default=200, help="the large object's size, MiB")
 
     generation = suites.add_parser(
         "generation",
@@ -171,7 +178,9 @@ def register(sub: Any) -> None:
     every.add_argument("--no-lcp", action="store_true", help="skip the llama-cpp-python server")
     every.add_argument("--out", default="bench-out", help="directory for the report files")
     every.add_argument(
-        "--readme", default=None, help="a README whose generated bench section to rewrite"
+        "--readme",
+        default=None,
+        help="the page whose generated bench section to rewrite (docs/performance.md)",
     )
 
     for parser in suites.choices.values():

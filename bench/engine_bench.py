@@ -165,7 +165,7 @@ def run(engine: Engine, repeats: int, long_prompt: int = 0) -> dict[str, Any]:
         max(2, repeats // 2),
         lambda seed: sized_state(engine, seed, 200, whole_prompt=False),
     )
-    # Opt-in: all questions of the state in one llama_decode (see README, Numerics).
+    # Opt-in: all questions of the state in one llama_decode (see docs/decisions.md, Numerics).
     engine.settings = engine.settings.model_copy(update={"parallel_branches": True})
     try:
         report["shared_8x400_parallel"] = bench_shared(engine, max(1, repeats // 2))

@@ -1,4 +1,4 @@
-"""`arbiter bench faults`: the README's "Failure modes" figures, JSON Lines throughput over HTTP and
+"""`arbiter bench faults`: the figures of docs/failure-modes.md, JSON Lines throughput over HTTP and
 Batch Transform sizing (``--lines 60 --questions 10`` by default).
 
 Serves the default model over loopback (as `arbiter serve` would) and posts JSON Lines bodies to

@@ -2,8 +2,8 @@
 
 `arbiter bench peers` sets Arbiter against the server of the stock llama.cpp image on the same
 tokens. Both must run the same kernels, so the server is built from llama-cpp-python's sdist (the
-one ``make setup`` and the GPU check download, :func:`gpucheck.source.sdist_path`) with the CMake
-flags the wheel was built with (``scripts/llama-cmake-args``). The binary is cached under
+one the GPU check trims, :func:`arbiter.llama_build.sdist_path`) with the CMake flags the wheel was
+built with (:func:`arbiter.llama_build.cmake_args`). The binary is cached under
 ``~/.cache/arbiter/llama-server/<key>/``, the key being a hash of the version and the flags, like the
 wheel: the first build takes about 20 minutes on 2 cores, later runs none.
 """
@@ -18,10 +18,9 @@ import tarfile
 import time
 from pathlib import Path
 
-from gpucheck import plan, source
+from arbiter import llama_build
 
-CACHE = Path.home() / ".cache" / "arbiter" / "llama-server"
-CMAKE_ARGS_SCRIPT = plan.ROOT / "scripts" / "llama-cmake-args"
+CACHE = llama_build.CACHE / "llama-server"
 # Everything the server does not need is off: no curl (models never download), no TLS, no tests.
 SERVER_ARGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -34,20 +33,16 @@ SERVER_ARGS = (
 )
 
 
-def wheel_cmake_args() -> list[str]:
-    """The flags the llama-cpp-python wheel was built with on this machine."""
-    out = subprocess.run([str(CMAKE_ARGS_SCRIPT)], check=True, capture_output=True, text=True)
-    return out.stdout.split()
-
-
 def cache_dir(args: list[str]) -> Path:
-    key = hashlib.sha256(" ".join([plan.LLAMA_CPP_PYTHON_VERSION, *args]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(
+        " ".join([llama_build.LLAMA_CPP_PYTHON_VERSION, *args]).encode()
+    ).hexdigest()[:12]
     return CACHE / key
 
 
 def _extract(sdist: Path, into: Path) -> Path:
     """Unpack the sdist's vendored llama.cpp into ``into``; its root."""
-    prefix = sdist.name.removesuffix(".tar.gz") + f"/{source.LLAMA}/"
+    prefix = sdist.name.removesuffix(".tar.gz") + f"/{llama_build.VENDORED_LLAMA_CPP}/"
     with tarfile.open(sdist, "r:gz") as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
         tar.extractall(into, members=members, filter="data")
@@ -56,7 +51,7 @@ def _extract(sdist: Path, into: Path) -> Path:
 
 def ensure_built(log: Path | None = None) -> Path:
     """The ``llama-server`` binary, building it first when the cache has none."""
-    args = wheel_cmake_args()
+    args = llama_build.cmake_args()  # the flags the wheel was built with on this machine
     root = cache_dir(args)
     binary = root / "llama-server"
     if binary.is_file():
@@ -65,7 +60,7 @@ def ensure_built(log: Path | None = None) -> Path:
     work = root / "src"
     shutil.rmtree(work, ignore_errors=True)
     started = time.monotonic()
-    tree = _extract(source.sdist_path(), work)
+    tree = _extract(llama_build.sdist_path(), work)
     build = tree / "build"
     jobs = str(os.cpu_count() or 2)
     out = open(log, "a") if log else None  # noqa: SIM115 - closed below
@@ -87,7 +82,7 @@ def ensure_built(log: Path | None = None) -> Path:
             out.close()
     shutil.copy2(build / "bin" / "llama-server", binary)
     (root / "build.txt").write_text(
-        f"llama-cpp-python {plan.LLAMA_CPP_PYTHON_VERSION}\nflags {' '.join(args)}\n"
+        f"llama-cpp-python {llama_build.LLAMA_CPP_PYTHON_VERSION}\nflags {' '.join(args)}\n"
         f"built in {time.monotonic() - started:.0f} s\n"
     )
     shutil.rmtree(work, ignore_errors=True)

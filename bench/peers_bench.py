@@ -10,7 +10,7 @@ Rows:
 - **cold**: one decision with no shared state and no cache (Arbiter ``ARBITER_PREFIX_CACHE_MB=0``),
   against ``/completion`` on Arbiter's own prompt token ids, ``n_predict`` 1, ``cache_prompt``
   false: the same tokens prefilled once each. Run twice: as served by default (the state's prefix,
-  then the question, two decodes: README, Numerics) and with ``ARBITER_PARALLEL_BRANCHES=true``
+  then the question, two decodes: docs/decisions.md#numerics) and with ``ARBITER_PARALLEL_BRANCHES=true``
   (a lone cold question in one decode, as the server does).
 - **shared**: the questions about one state as one Arbiter request, against one ``/completion``
   per question (``cache_prompt`` true, its best case).

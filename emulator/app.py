@@ -8,6 +8,7 @@ and starts the async workers; at shutdown it drains them.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
@@ -18,9 +19,12 @@ from aiohttp.typedefs import Handler
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from emulator import asynchronous, realtime
+from emulator.async_workers import AsyncWorkers
+from emulator.backlog import BACKLOG, Backlog
 from emulator.container import Container
 from emulator.errors import errors
 from emulator.metrics import RuntimeMetrics
+from emulator.readiness import Readiness
 from emulator.settings import RuntimeSettings
 from emulator.state import FRONT, Front
 from emulator.template import EndpointSpec, endpoint_spec
@@ -37,24 +41,31 @@ _NAMES = {
 }
 
 
-def spec_for(settings: RuntimeSettings) -> EndpointSpec:
-    return endpoint_spec(
-        bucket=settings.bucket,
-        max_in_flight=settings.max_in_flight,
-        stack=settings.stack,
-        region=settings.aws_region,
-    )
+def endpoints_for(settings: RuntimeSettings) -> dict[str, EndpointSpec]:
+    """The endpoints the front serves: each name with the template evaluated for its mode."""
+    named = {"realtime": settings.endpoint_name, "async": settings.async_endpoint_name}
+    return {
+        name: endpoint_spec(
+            bucket=settings.bucket,
+            max_in_flight=settings.max_in_flight,
+            stack=settings.stack,
+            region=settings.aws_region,
+            mode=mode,
+        )
+        for mode, name in named.items()
+        if name
+    }
 
 
 def create_app(
     settings: RuntimeSettings | None = None,
-    spec: EndpointSpec | None = None,
-    clock: Callable[[], float] = time.monotonic,
+    endpoints: dict[str, EndpointSpec] | None = None,
+    clock: Callable[[], float] = time.time,
 ) -> web.Application:
-    """The front; ``spec`` defaults to the serving template evaluated for ``settings``, ``clock``
-    (seconds, monotonic) times the async requests' TTL."""
+    """The front; ``endpoints`` default to the serving template evaluated for ``settings``, ``clock``
+    (seconds, wall clock: a request's age counts across a restart) times the async requests' TTL."""
     settings = settings or RuntimeSettings()
-    front = Front(settings, spec or spec_for(settings), RuntimeMetrics(), clock)
+    front = Front(settings, endpoints or endpoints_for(settings), RuntimeMetrics(), clock)
     app = web.Application(middlewares=[_count, errors], client_max_size=realtime.MAX_BODY + 1)
     app[FRONT] = front
     for path, handler in OPERATIONS.items():
@@ -83,19 +94,42 @@ async def _lifetime(app: web.Application) -> AsyncIterator[None]:
         http = await stack.enter_async_context(
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         )
-        s3 = await stack.enter_async_context(
-            session.create_client("s3", **settings.client_kwargs())
-        )
-        sns = await stack.enter_async_context(
-            session.create_client("sns", **settings.client_kwargs())
-        )
-        for arn, name in front.spec.topics.items():
-            made = (await sns.create_topic(Name=name))["TopicArn"]
-            front.topics[arn] = made
+        s3, sns, sqs = [
+            await stack.enter_async_context(session.create_client(name, **settings.client_kwargs()))
+            for name in ("s3", "sns", "sqs")
+        ]
         front.container = Container(settings.container_url, http)
-        front.queue = asynchronous.AsyncQueue(front, s3, sns)
-        front.queue.start()
+        workers, watch = None, None
+        served = front.asynchronous()
+        if served is not None:
+            name, spec = served
+            for arn, topic in front.endpoints[name].topics.items():
+                front.topics[arn] = (await sns.create_topic(Name=topic))["TopicArn"]
+            backlog = await Backlog.open(
+                sqs, settings.backlog_queue(), settings.visibility_s, settings.max_backlog
+            )
+            app[BACKLOG] = backlog
+            front.metrics.backlog.set_function(lambda: backlog.size)
+            workers = AsyncWorkers(
+                spec=spec,
+                backlog=backlog,
+                readiness=Readiness(http, settings.container_url),
+                container=front.container,
+                s3=s3,
+                sns=sns,
+                topics=front.topics,
+                metrics=front.metrics,
+                clock=front.clock,
+                endpoint=name,
+                region=settings.aws_region,
+                readable=settings.readable_prefix(),
+            )
+            workers.start()
+            watch = asyncio.create_task(backlog.watch())
         try:
             yield
         finally:
-            await front.queue.stop(settings.drain_s)
+            if workers is not None and watch is not None:
+                await workers.stop(settings.drain_s)
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)

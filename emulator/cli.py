@@ -20,7 +20,11 @@ def cmd_runtime(args: argparse.Namespace) -> int:
 
     updates = {
         k: v
-        for k, v in {"port": args.port, "endpoint_name": args.endpoint_name}.items()
+        for k, v in {
+            "port": args.port,
+            "endpoint_name": args.endpoint_name,
+            "aws": True if args.aws else None,
+        }.items()
         if v is not None
     }
     return serve(RuntimeSettings().model_copy(update=updates))
@@ -33,6 +37,7 @@ def _job(args: argparse.Namespace) -> Any:
         input_uri=args.input,
         output_uri=args.output,
         name=args.job_name or "",
+        data_type=args.data_type,
         content_type=args.content_type,
         accept=args.accept,
         split_type=args.split_type,
@@ -41,6 +46,9 @@ def _job(args: argparse.Namespace) -> Any:
         max_payload_mb=args.max_payload_mb,
         max_concurrent_transforms=args.max_concurrent_transforms,
         assemble_with=args.assemble_with,
+        input_filter=args.input_filter,
+        output_filter=args.output_filter,
+        join_source=args.join_source,
         invocations_timeout_s=args.invocations_timeout,
         invocations_max_retries=args.invocations_max_retries,
         instance_type=args.instance_type,
@@ -113,6 +121,11 @@ def register(sub: Any) -> None:
     runtime.add_argument(
         "--endpoint-name", default=None, help="ARBITER_RUNTIME_ENDPOINT_NAME (arbiter)"
     )
+    runtime.add_argument(
+        "--aws",
+        action="store_true",
+        help="without ARBITER_AWS_ENDPOINT_URL, use real AWS in your account (refused otherwise)",
+    )
     runtime.set_defaults(func=cmd_runtime)
 
     tr = sub.add_parser(
@@ -122,9 +135,19 @@ def register(sub: Any) -> None:
         "Locally the container is ARBITER_RUNTIME_CONTAINER_URL (`arbiter local`'s serve) and S3 "
         "is ARBITER_AWS_ENDPOINT_URL; --aws creates the real job (--dry-run prints the calls).",
     )
-    tr.add_argument("input", help="s3://BUCKET/PREFIX: every object under it is an input")
+    tr.add_argument(
+        "input",
+        help="s3://BUCKET/PREFIX: every object under it is an input (--data-type ManifestFile: "
+        "the manifest listing them)",
+    )
     tr.add_argument("output", help="s3://BUCKET/PREFIX for the .out objects")
     tr.add_argument("--job-name", default=None)
+    tr.add_argument(
+        "--data-type",
+        default="S3Prefix",
+        choices=["S3Prefix", "ManifestFile", "AugmentedManifestFile"],
+        help="S3DataType (AugmentedManifestFile is refused: not compatible with batch transform)",
+    )
     tr.add_argument("--content-type", default="application/jsonlines")
     tr.add_argument("--accept", default="application/jsonlines")
     tr.add_argument("--split-type", default="Line", choices=["None", "Line"])
@@ -145,6 +168,18 @@ def register(sub: Any) -> None:
         help="default: the container's, else 1",
     )
     tr.add_argument("--assemble-with", default="Line", choices=["None", "Line"])
+    tr.add_argument(
+        "--input-filter", default=None, help="DataProcessing.InputFilter, a JSONPath (default $)"
+    )
+    tr.add_argument(
+        "--output-filter", default=None, help="DataProcessing.OutputFilter, a JSONPath (default $)"
+    )
+    tr.add_argument(
+        "--join-source",
+        default=None,
+        choices=["Input", "None"],
+        help="DataProcessing.JoinSource: Input adds each answer to its record as SageMakerOutput",
+    )
     tr.add_argument(
         "--invocations-timeout", type=int, default=600, help="seconds per mini-batch (1-3600)"
     )

@@ -25,6 +25,14 @@ class ContainerUnreachable(Exception):
     """No connection to the container (not started, crashed)."""
 
 
+class ResponseTooLarge(Exception):
+    """The container's answer is over what the operation returns."""
+
+    def __init__(self, most_bytes: int) -> None:
+        super().__init__(f"the model's response is larger than {most_bytes} bytes")
+        self.most_bytes = most_bytes
+
+
 @dataclass(frozen=True)
 class Invocation:
     """One request to the container, as SageMaker would send it."""
@@ -72,17 +80,29 @@ class Container:
         """The container's response with its headers read; the body is the caller's to read within
         the same ``timeout_s`` (``asyncio.TimeoutError`` past it)."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # SageMaker passes the caller's content type, and invents none when there was none
+        # (aiohttp would add application/octet-stream to a body without one).
+        skip = () if invocation.content_type is not None else ("Content-Type",)
         try:
             async with self.session.post(
-                self.url, data=invocation.body, headers=invocation.headers(), timeout=timeout
+                self.url,
+                data=invocation.body,
+                headers=invocation.headers(),
+                timeout=timeout,
+                skip_auto_headers=skip,
             ) as response:
                 yield response
         except aiohttp.ClientConnectorError as exc:
             raise ContainerUnreachable(f"cannot connect to the container at {self.url}") from exc
 
-    async def invoke(self, invocation: Invocation, timeout_s: float) -> Reply:
-        """The whole response (``asyncio.TimeoutError`` when it takes over ``timeout_s``)."""
+    async def invoke(self, invocation: Invocation, timeout_s: float, most_bytes: int) -> Reply:
+        """The whole response (``asyncio.TimeoutError`` when it takes over ``timeout_s``); a body
+        over ``most_bytes`` is :class:`ResponseTooLarge`, found without holding more than that."""
         async with asyncio.timeout(timeout_s), self.open(invocation, timeout_s) as response:
-            body = await response.read()
+            body = bytearray()
+            async for chunk in response.content.iter_any():
+                body += chunk
+                if len(body) > most_bytes:
+                    raise ResponseTooLarge(most_bytes)
             content_type, attributes = passed_back(response)
-            return Reply(response.status, content_type, attributes, body)
+            return Reply(response.status, content_type, attributes, bytes(body))

@@ -64,6 +64,20 @@ class ServiceUnavailable(RuntimeApiError):
     code = "ServiceUnavailable"
 
 
+class RequestTimeout(RuntimeApiError):
+    """The request's body did not arrive in time (the front closes the connection after)."""
+
+    status = 408
+    code = "RequestTimeout"
+
+
+class ModelNotReady(RuntimeApiError):
+    """The container does not pass its health check yet (SageMaker: ModelNotReadyException)."""
+
+    status = 429
+    code = "ModelNotReadyException"
+
+
 class InternalFailure(RuntimeApiError):
     status = 500
     code = "InternalFailure"

@@ -11,31 +11,68 @@ events; a container that breaks off or runs out of time mid-stream ends it with 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
 
-from emulator import eventstream
+from emulator import eventstream, limits
 from emulator.container import (
     CUSTOM_ATTRIBUTES,
     INFERENCE_ID,
     ContainerUnreachable,
     Invocation,
+    ResponseTooLarge,
     passed_back,
 )
-from emulator.errors import TIMED_OUT, ModelError, ServiceUnavailable, ValidationError, request_id
+from emulator.errors import (
+    TIMED_OUT,
+    ModelError,
+    ModelNotReady,
+    RequestTimeout,
+    ValidationError,
+    request_id,
+)
 from emulator.state import FRONT, INVOKED_VARIANT, Front
 
-MAX_BODY = 6_291_456  # BodyBlob's max: 6 MB both ways
+MAX_BODY = limits.MAX_REALTIME_BYTES  # BodyBlob's max: 6 MB both ways
 
 
-async def _body(request: web.Request) -> bytes:
+def _too_large(size: int | str) -> ValidationError:
+    return ValidationError(
+        f"1 validation error detected: Value at 'body' of {size} bytes failed to satisfy "
+        f"constraint: Member must have length less than or equal to {MAX_BODY}"
+    )
+
+
+async def _body(request: web.Request, operation: str) -> bytes:
+    """The call's constraints (botocore's model), then its body, read no further than 6 MB."""
+    limits.check(operation, request.headers, {"EndpointName": request.match_info["name"]})
     if request.content_length is not None and request.content_length > MAX_BODY:
-        raise ValidationError(f"Request payload is over {MAX_BODY} bytes (6 MB).")
-    body = await request.read()
-    if len(body) > MAX_BODY:
-        raise ValidationError(f"Request payload is over {MAX_BODY} bytes (6 MB).")
-    return body
+        raise _too_large(request.content_length)
+    body = bytearray()
+    async with timely_body(request):
+        async for chunk in request.content.iter_any():
+            body += chunk
+            if len(body) > MAX_BODY:
+                raise _too_large(f"over {MAX_BODY}")
+    return bytes(body)
+
+
+@contextlib.asynccontextmanager
+async def timely_body(request: web.Request) -> AsyncIterator[None]:
+    """The body within ``ARBITER_RUNTIME_BODY_TIMEOUT_S``, or 408 and the connection closed."""
+    limit = request.app[FRONT].settings.body_timeout_s
+    try:
+        async with asyncio.timeout(limit):
+            yield
+    except TimeoutError as exc:
+        raise RequestTimeout(f"The request body did not arrive within {limit:g} s.") from exc
+
+
+def _not_ready(exc: Exception) -> ModelNotReady:
+    return ModelNotReady(f"The model is not ready: {exc}; is `arbiter serve` running? Retry.")
 
 
 def _model_error(front: Front, status: int, body: bytes) -> ModelError:
@@ -47,8 +84,8 @@ def _model_error(front: Front, status: int, body: bytes) -> ModelError:
     )
 
 
-def _reply_headers(front: Front, custom_attributes: str | None) -> dict[str, str]:
-    headers = {INVOKED_VARIANT: front.spec.variant, "x-amzn-RequestId": request_id()}
+def _reply_headers(variant: str, custom_attributes: str | None) -> dict[str, str]:
+    headers = {INVOKED_VARIANT: variant, "x-amzn-RequestId": request_id()}
     if custom_attributes is not None:
         headers[CUSTOM_ATTRIBUTES] = custom_attributes
     return headers
@@ -57,9 +94,9 @@ def _reply_headers(front: Front, custom_attributes: str | None) -> dict[str, str
 async def invoke_endpoint(request: web.Request) -> web.Response:
     """``POST /endpoints/{name}/invocations``."""
     front = request.app[FRONT]
-    front.check(request)
+    spec = front.check(request, "InvokeEndpoint")
     invocation = Invocation(
-        body=await _body(request),
+        body=await _body(request, "InvokeEndpoint"),
         content_type=request.headers.get("Content-Type"),
         accept=request.headers.get("Accept"),
         custom_attributes=request.headers.get(CUSTOM_ATTRIBUTES),
@@ -67,20 +104,24 @@ async def invoke_endpoint(request: web.Request) -> web.Response:
     )
     timeout = front.settings.invocation_timeout_s
     try:
-        reply = await front.require_container().invoke(invocation, timeout)
+        reply = await front.require_container().invoke(invocation, timeout, MAX_BODY)
+    except ResponseTooLarge as exc:  # AWS documents the limit, not its error: ours, as a ModelError
+        raise _model_error(
+            front, 0, f"{exc} (InvokeEndpoint returns at most 6 MB; use async)".encode()
+        ) from exc
     except TimeoutError as exc:
         raise ModelError(
             0, TIMED_OUT, endpoint=front.settings.endpoint_name, region=front.settings.aws_region
         ) from exc
-    except ContainerUnreachable as exc:
-        raise ServiceUnavailable(f"{exc}; is `arbiter serve` running?") from exc
+    except ContainerUnreachable as exc:  # nothing listens: no model to answer yet
+        raise _not_ready(exc) from exc
     except aiohttp.ClientError as exc:
         raise _model_error(
             front, 0, f"the container closed the connection ({exc})".encode()
         ) from exc
     if reply.status >= 400:
         raise _model_error(front, reply.status, reply.body)
-    headers = _reply_headers(front, reply.custom_attributes)
+    headers = _reply_headers(spec.variant, reply.custom_attributes)
     if reply.content_type is not None:
         headers["Content-Type"] = reply.content_type
     return web.Response(status=200, body=reply.body, headers=headers)
@@ -89,9 +130,9 @@ async def invoke_endpoint(request: web.Request) -> web.Response:
 async def invoke_with_response_stream(request: web.Request) -> web.StreamResponse:
     """``POST /endpoints/{name}/invocations-response-stream``."""
     front = request.app[FRONT]
-    front.check(request)
+    spec = front.check(request, "InvokeEndpointWithResponseStream")
     invocation = Invocation(
-        body=await _body(request),
+        body=await _body(request, "InvokeEndpointWithResponseStream"),
         content_type=request.headers.get("Content-Type"),
         accept=request.headers.get("X-Amzn-SageMaker-Accept"),
         custom_attributes=request.headers.get(CUSTOM_ATTRIBUTES),
@@ -107,15 +148,33 @@ async def invoke_with_response_stream(request: web.Request) -> web.StreamRespons
             if reply.status >= 400:
                 raise _model_error(front, reply.status, await reply.read())
             content_type, attributes = passed_back(reply)
-            headers = _reply_headers(front, attributes)
+            headers = _reply_headers(spec.variant, attributes)
             headers["Content-Type"] = eventstream.CONTENT_TYPE
             if content_type is not None:
                 headers["X-Amzn-SageMaker-Content-Type"] = content_type
             stream = web.StreamResponse(status=200, headers=headers)
             await stream.prepare(request)
+            idle = front.settings.stream_idle_timeout_s
             async for chunk in reply.content.iter_any():
-                for part in eventstream.payload_parts(chunk):
-                    await stream.write(part)
+                try:
+                    parts = eventstream.payload_parts(chunk)
+                except Exception as exc:  # the front's own fault, after the 200 went out
+                    await _end_stream(
+                        stream,
+                        eventstream.exception(
+                            "InternalStreamFailure",
+                            {"Message": f"The stream failed inside the front ({exc!r})."},
+                        ),
+                    )
+                    return stream
+                for part in parts:
+                    try:
+                        async with asyncio.timeout(idle):
+                            await stream.write(part)
+                    except TimeoutError:  # the client reads nothing: drop it, and the call
+                        if request.transport is not None:
+                            request.transport.abort()
+                        return stream
     except TimeoutError as exc:
         if stream is None:
             raise ModelError(
@@ -131,7 +190,7 @@ async def invoke_with_response_stream(request: web.Request) -> web.StreamRespons
         )
         return stream
     except ContainerUnreachable as exc:
-        raise ServiceUnavailable(f"{exc}; is `arbiter serve` running?") from exc
+        raise _not_ready(exc) from exc
     except aiohttp.ClientError as exc:
         if stream is None:
             raise _model_error(
@@ -147,11 +206,16 @@ async def invoke_with_response_stream(request: web.Request) -> web.StreamRespons
 
 
 async def _stream_error(stream: web.StreamResponse, code: str, message: str) -> None:
-    """End a started stream with a ``ModelStreamError`` event; a client gone too is no error."""
+    """End a started stream with a ``ModelStreamError`` event."""
+    event = eventstream.exception("ModelStreamError", {"Message": message, "ErrorCode": code})
+    await _end_stream(stream, event)
+
+
+async def _end_stream(stream: web.StreamResponse, event: bytes) -> None:
+    """A started stream ends with an exception event, never a fresh error response (the 200 is
+    sent); a client gone too is no error."""
     try:
-        await stream.write(
-            eventstream.exception("ModelStreamError", {"Message": message, "ErrorCode": code})
-        )
+        await stream.write(event)
         await stream.write_eof()
     except (ConnectionError, RuntimeError):
         pass

@@ -57,12 +57,17 @@ class ObjectWriter:
         self.parts: list[dict[str, Any]] = []
         self.bytes = 0
 
-    async def write(self, data: bytes) -> None:
-        self.buffer += data
+    async def write(self, data: bytes | bytearray) -> None:
+        """Buffered to a part; a large ``data`` goes out a part at a time, never copied whole."""
         self.bytes += len(data)
-        if len(self.buffer) >= PART_BYTES:
+        view = memoryview(data)
+        while len(self.buffer) + len(view) >= PART_BYTES:
+            take = PART_BYTES - len(self.buffer)
+            self.buffer += view[:take]
+            view = view[take:]
             await self._part(bytes(self.buffer))
             self.buffer.clear()
+        self.buffer += view
 
     async def _part(self, data: bytes) -> None:
         if self.upload_id is None:

@@ -11,7 +11,13 @@ from emulator.settings import RuntimeSettings
 
 def serve(settings: RuntimeSettings) -> int:
     from arbiter.logging import configure
+    from emulator.aws_guard import RuntimeRefused, check_aws
 
+    try:
+        check_aws(settings)
+    except RuntimeRefused as exc:  # one line, no traceback, before anything is touched
+        print(f"arbiter runtime: refused: {exc}", file=sys.stderr, flush=True)
+        return 2
     configure(level="info")
     return asyncio.run(_serve(settings))
 
@@ -39,11 +45,19 @@ async def _serve(settings: RuntimeSettings) -> int:
         await runner.cleanup()
         return 2
     port = runner.addresses[0][1]
-    spec = app[FRONT].spec
+    front = app[FRONT]
+    served = []
+    for name, spec in front.endpoints.items():
+        if spec.asynchronous is None:
+            served.append(f"{name} (real-time, variant {spec.variant})")
+        else:
+            served.append(
+                f"{name} (async, variant {spec.variant}, {spec.asynchronous.max_concurrent} at "
+                f"once, output {spec.asynchronous.output_path})"
+            )
     print(
         f"SageMaker runtime API: http://{settings.host}:{port}  endpoint name: "
-        f"{settings.endpoint_name}  (variant {spec.variant}, container {settings.container_url}, "
-        f"async: {spec.asynchronous.max_concurrent} at once, output {spec.asynchronous.output_path})",
+        f"{', '.join(served)}  container {settings.container_url}",
         flush=True,
     )
     stop = asyncio.Event()

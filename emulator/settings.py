@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -26,8 +26,15 @@ class RuntimeSettings(BaseSettings):
     endpoint_name: str = Field(
         default="arbiter",
         max_length=63,
-        pattern=r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$",
-        description="The EndpointName the front answers to; any other is a ValidationError.",
+        pattern=r"^$|^[a-zA-Z0-9](-*[a-zA-Z0-9])*$",
+        description="The real-time endpoint's EndpointName (serving.yaml, EndpointMode realtime); "
+        "empty: none. Any other name is a ValidationError.",
+    )
+    async_endpoint_name: str = Field(
+        default="arbiter-async",
+        max_length=63,
+        pattern=r"^$|^[a-zA-Z0-9](-*[a-zA-Z0-9])*$",
+        description="The asynchronous endpoint's EndpointName (EndpointMode async); empty: none.",
     )
     container_url: str = Field(
         default="http://127.0.0.1:8080", description="The container (`arbiter serve`) it invokes."
@@ -44,11 +51,47 @@ class RuntimeSettings(BaseSettings):
     max_backlog: int = Field(
         default=10_000,
         ge=1,
-        description="Async requests queued at most (SageMaker's queue has no documented bound; "
-        "this one is in memory); beyond it InvokeEndpointAsync answers ServiceUnavailable.",
+        description="Async requests queued at most (SageMaker's queue has no documented bound); "
+        "beyond it InvokeEndpointAsync answers ServiceUnavailable.",
+    )
+    async_queue: str | None = Field(
+        default=None,
+        description="The SQS queue the async backlog lives in (default <stack>-async-backlog), "
+        "on ARBITER_AWS_ENDPOINT_URL: it outlives the front, so a restart answers what it held.",
+    )
+    visibility_s: int = Field(
+        default=60,
+        ge=5,
+        le=43_200,
+        description="The backlog queue's visibility timeout: a request a killed front held is "
+        "taken again this long after its last heartbeat.",
+    )
+    body_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A request body not received within this long is answered 408 and its "
+        "connection closed (a half-sent body does not hold a handler).",
+    )
+    stream_idle_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A response stream whose client has read nothing for this long is dropped, "
+        "and the container's call with it.",
+    )
+    input_prefix: str | None = Field(
+        default=None,
+        description="Where async InputLocations may be read (default s3://<bucket>/async/input/, "
+        "what serving.yaml's SageMaker role may read); elsewhere is AccessDenied.",
+    )
+    aws: bool = Field(
+        default=False,
+        description="Without ARBITER_AWS_ENDPOINT_URL, use real AWS (`arbiter runtime --aws`).",
     )
     drain_s: float = Field(
-        default=10.0, ge=0, description="On shutdown: time for async invocations in flight to end."
+        default=10.0,
+        ge=0,
+        description="On shutdown: time for async invocations in flight to end; those still "
+        "running then go back to the queue.",
     )
     # Shared with the worker pool and the container: the same variables, read the same way.
     aws_endpoint_url: str | None = Field(
@@ -72,6 +115,22 @@ class RuntimeSettings(BaseSettings):
         description="The template's MaxInFlight: the container's bound and the async "
         "MaxConcurrentInvocationsPerInstance (unset: the template's default).",
     )
+
+    @model_validator(mode="after")
+    def _one_endpoint_at_least(self) -> RuntimeSettings:
+        if not (self.endpoint_name or self.async_endpoint_name):
+            raise ValueError(
+                "ARBITER_RUNTIME_ENDPOINT_NAME and _ASYNC_ENDPOINT_NAME are both empty"
+            )
+        if self.endpoint_name == self.async_endpoint_name:
+            raise ValueError("the real-time and the async endpoint need names of their own")
+        return self
+
+    def readable_prefix(self) -> str:
+        return self.input_prefix or f"s3://{self.bucket}/async/input/"
+
+    def backlog_queue(self) -> str:
+        return self.async_queue or f"{self.stack}-async-backlog"
 
     def client_kwargs(self) -> dict[str, str]:
         """aiobotocore client arguments; a loopback endpoint gets moto's dummy credentials when the

@@ -1,10 +1,10 @@
-"""The front's state, shared by its routes through one typed app key."""
+"""The front's state, shared by its routes through one typed app key. The async backlog has a key
+of its own (``emulator.backlog.BACKLOG``), so that nothing here imports the async modules."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -12,10 +12,7 @@ from emulator.container import Container
 from emulator.errors import ValidationError, endpoint_not_found
 from emulator.metrics import RuntimeMetrics
 from emulator.settings import RuntimeSettings
-from emulator.template import EndpointSpec
-
-if TYPE_CHECKING:
-    from emulator.asynchronous import AsyncQueue
+from emulator.template import ACCOUNT, AsyncSpec, EndpointSpec
 
 INVOKED_VARIANT = "x-Amzn-Invoked-Production-Variant"
 # Headers of features this single-model, single-container endpoint does not have.
@@ -28,25 +25,42 @@ UNSUPPORTED = (
 )
 
 
+OPERATION_MODES = {
+    "InvokeEndpoint": "realtime",
+    "InvokeEndpointWithResponseStream": "realtime",
+    "InvokeEndpointAsync": "async",
+}
+
+
 @dataclass
 class Front:
     settings: RuntimeSettings
-    spec: EndpointSpec
+    endpoints: dict[str, EndpointSpec]  # EndpointName -> what the template deploys for it
     metrics: RuntimeMetrics
     clock: Callable[[], float]
     container: Container | None = None  # opened at start-up
-    queue: AsyncQueue | None = None
     topics: dict[str, str] = field(default_factory=dict)
 
-    def check(self, request: web.Request) -> None:
-        """The endpoint name, the variant and the headers this endpoint can serve."""
+    def check(self, request: web.Request, operation: str) -> EndpointSpec:
+        """The endpoint named, in the mode ``operation`` needs; its variant and the headers this
+        endpoint can serve."""
         name = request.match_info["name"]
-        if name != self.settings.endpoint_name:
+        spec = self.endpoints.get(name)
+        if spec is None:
             raise endpoint_not_found(name)
-        variant = request.headers.get("X-Amzn-SageMaker-Target-Variant")
-        if variant is not None and variant != self.spec.variant:
+        if spec.mode != OPERATION_MODES[operation]:
+            # An endpoint with an AsyncInferenceConfig accepts only asynchronous invocations, and
+            # one without it none (the wording is ours; the code is AWS's).
+            kind = "an asynchronous" if spec.mode == "async" else "a real-time"
+            use = "InvokeEndpointAsync" if spec.mode == "async" else "InvokeEndpoint"
             raise ValidationError(
-                f"Variant {variant} not found for endpoint {name}; its variant is {self.spec.variant}."
+                f"Endpoint {name} of account {ACCOUNT} is {kind} inference endpoint: "
+                f"{operation} is not supported for it; use {use}."
+            )
+        variant = request.headers.get("X-Amzn-SageMaker-Target-Variant")
+        if variant is not None and variant != spec.variant:
+            raise ValidationError(
+                f"Variant {variant} not found for endpoint {name}; its variant is {spec.variant}."
             )
         for header in UNSUPPORTED:
             if header in request.headers:
@@ -54,6 +68,14 @@ class Front:
                     f"{header} is not supported by endpoint {name}: it serves one model in one "
                     "container."
                 )
+        return spec
+
+    def asynchronous(self) -> tuple[str, AsyncSpec] | None:
+        """The async endpoint's name and config, if the front serves one."""
+        for name, spec in self.endpoints.items():
+            if spec.asynchronous is not None:
+                return name, spec.asynchronous
+        return None
 
     def require_container(self) -> Container:
         assert self.container is not None, "the front is not started"

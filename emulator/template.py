@@ -169,24 +169,35 @@ class AsyncSpec:
 
 @dataclass(frozen=True)
 class EndpointSpec:
+    mode: str  # "realtime" or "async": which EndpointConfig the template deploys
     variant: str
     container_environment: dict[str, str]
-    asynchronous: AsyncSpec
+    asynchronous: AsyncSpec | None  # the async config (None for a real-time endpoint)
     topics: dict[str, str]  # ARN -> name of every topic the endpoint publishes to
 
 
+MODES = {"realtime": "RealtimeEndpointConfig", "async": "AsyncEndpointConfig"}
+
+
 def endpoint_spec(
-    *, bucket: str, max_in_flight: int | None, stack: str = "arbiter", region: str = "us-east-1"
+    *,
+    bucket: str,
+    max_in_flight: int | None,
+    stack: str = "arbiter",
+    region: str = "us-east-1",
+    mode: str = "async",
 ) -> EndpointSpec:
-    """The async endpoint ``arbiter deploy --stack STACK --mode async`` creates, with the data
-    bucket named ``bucket`` and ``MaxInFlight`` = ``max_in_flight`` (unset: the template's)."""
+    """The endpoint ``arbiter deploy --stack STACK --mode MODE`` creates, with the data bucket
+    named ``bucket`` and ``MaxInFlight`` = ``max_in_flight`` (unset: the template's)."""
+    if mode not in MODES:
+        raise TemplateError(f"EndpointMode {mode!r}: the front serves {' or '.join(MODES)}")
     data = Stack(
         data_stack_name(stack),
         parse(load_template("data.yaml").body),
         {"BucketName": bucket},
         region,
     )
-    params = {"DataStack": data.name, "EndpointMode": "async"}
+    params = {"DataStack": data.name, "EndpointMode": mode}
     if max_in_flight is not None:
         params["MaxInFlight"] = str(max_in_flight)
     serving = Stack(
@@ -197,23 +208,29 @@ def endpoint_spec(
         imports=data.exported,
     )
     resources = serving.template["Resources"]
-    config = resources["AsyncEndpointConfig"]["Properties"]
+    config_name = MODES[mode]
+    if not serving.condition(resources[config_name]["Condition"]):
+        raise TemplateError(f"serving.yaml creates no {config_name} for EndpointMode {mode}")
+    config = resources[config_name]["Properties"]
     [variant] = config["ProductionVariants"]  # only its name is read: the rest is AWS's
-    settings = serving.value(config["AsyncInferenceConfig"])
-    output = settings["OutputConfig"]
-    notify = output.get("NotificationConfig", {})
-    client = settings.get("ClientConfig", {})
     container = resources["Model"]["Properties"]["PrimaryContainer"]
     environment = serving.value(container.get("Environment", {}))
-    spec = AsyncSpec(
-        max_concurrent=int(client.get("MaxConcurrentInvocationsPerInstance", 1)),
-        output_path=output["S3OutputPath"],
-        failure_path=output.get("S3FailurePath"),
-        success_topic=notify.get("SuccessTopic"),
-        error_topic=notify.get("ErrorTopic"),
-        include_response_in=tuple(notify.get("IncludeInferenceResponseIn", ())),
-    )
+    spec = None
+    if "AsyncInferenceConfig" in config:
+        settings = serving.value(config["AsyncInferenceConfig"])
+        output = settings["OutputConfig"]
+        notify = output.get("NotificationConfig", {})
+        client = settings.get("ClientConfig", {})
+        spec = AsyncSpec(
+            max_concurrent=int(client.get("MaxConcurrentInvocationsPerInstance", 1)),
+            output_path=output["S3OutputPath"],
+            failure_path=output.get("S3FailurePath"),
+            success_topic=notify.get("SuccessTopic"),
+            error_topic=notify.get("ErrorTopic"),
+            include_response_in=tuple(notify.get("IncludeInferenceResponseIn", ())),
+        )
     return EndpointSpec(
+        mode="async" if spec is not None else "realtime",
         variant=str(serving.value(variant["VariantName"])),
         container_environment={k: str(v) for k, v in environment.items()},
         asynchronous=spec,

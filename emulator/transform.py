@@ -1,6 +1,8 @@
 """Batch Transform's data plane, run here over the local S3 (`arbiter transform`).
 
-For each object under the input prefix, as SageMaker does on an instance: the records
+For each input object (under the prefix, or listed by a manifest: ``emulator.inputs``), as
+SageMaker does on an instance (``emulator.objects``; with ``DataProcessing``, each record filtered
+and its answer joined: ``emulator.dataprocessing``): the records
 (``SplitType=Line``: lines) are posted to the container's ``/invocations`` in mini-batches
 (``MultiRecord``: as many whole records as fit in ``MaxPayloadInMB``; ``SingleRecord``: one), with at
 most ``MaxConcurrentTransforms`` requests at once across the job; the answers are assembled in input
@@ -9,8 +11,8 @@ job leaves unset come from the container's ``GET /execution-parameters``, then S
 
 The failure rules are the job's: a 5xx, a timeout or a broken connection is retried
 ``InvocationsMaxRetries`` times; a 4xx, a retry budget spent, a record over ``MaxPayloadInMB`` or an
-unreadable object fails the job. The objects already written stay; the failed one and those in
-progress are not written (a multipart upload is aborted). A bad *line* is not a failure: the
+unreadable object fails that object, and the job: the other objects go on and are written, as on
+AWS; the failed one is not written (a multipart upload is aborted). A bad *line* is not a failure: the
 container answers it with an error record in its place, so the ``.out`` keeps one line per line.
 """
 
@@ -18,40 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-import zlib
-from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from arbiter.settings import MB
-from emulator.s3io import ObjectWriter, S3Uri, parse_uri
+from emulator.dataprocessing import DataProcessing
+from emulator.inputs import Input, InputsFailed, job_inputs
+from emulator.objects import JobFailed, ObjectResult, Resolved, Transform
 from infra.transform import TransformJob
 
 DEFAULTS = {"MaxConcurrentTransforms": 1, "MaxPayloadInMB": 6, "BatchStrategy": "SingleRecord"}
 _STRATEGY = {"MULTI_RECORD": "MultiRecord", "SINGLE_RECORD": "SingleRecord"}
-
-
-class JobFailed(Exception):
-    """The transform job failed; the message is its FailureReason."""
-
-
-@dataclass(frozen=True)
-class Resolved:
-    max_concurrent: int
-    max_payload_bytes: int  # 0: no limit
-    strategy: str
-
-
-@dataclass
-class ObjectResult:
-    input: str
-    output: str
-    records: int = 0
-    mini_batches: int = 0
-    bytes_out: int = 0
 
 
 @dataclass
@@ -61,6 +42,7 @@ class JobResult:
     failure_reason: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
     objects: list[ObjectResult] = field(default_factory=list)
+    failed_objects: list[dict[str, str]] = field(default_factory=list)
     seconds: float = 0.0
 
     def describe(self) -> dict[str, Any]:
@@ -70,6 +52,7 @@ class JobResult:
             "TransformJobStatus": self.status,
             **self.parameters,
             "Objects": [vars(o) for o in self.objects],
+            "FailedObjects": self.failed_objects,
             "Seconds": round(self.seconds, 3),
         }
         if self.failure_reason:
@@ -80,10 +63,16 @@ class JobResult:
 async def resolve(job: TransformJob, http: aiohttp.ClientSession, container_url: str) -> Resolved:
     """The job's values, else the container's ``/execution-parameters``, else the defaults."""
     offered: dict[str, Any] = {}
+    url = container_url.rstrip("/") + "/execution-parameters"
+    # On AWS the container starts with the job's Environment, so an Arbiter container sizes its
+    # MaxPayloadInMB to the job's InvocationsTimeoutInSeconds; the running one here is told it.
+    sized = {"InvocationsTimeoutInSeconds": str(job.invocations_timeout_s)}
     try:
-        async with http.get(container_url.rstrip("/") + "/execution-parameters") as response:
-            if response.status == 200:
-                offered = await response.json()
+        for query in (sized, None):  # a container that refuses the query is asked plainly
+            async with http.get(url, params=query) as response:
+                if response.status == 200:
+                    offered = await response.json()
+                    break
     except aiohttp.ClientError as exc:
         raise JobFailed(
             f"ClientError: the container at {container_url} does not answer ({exc})"
@@ -100,135 +89,10 @@ async def resolve(job: TransformJob, http: aiohttp.ClientSession, container_url:
     return Resolved(max(1, concurrent), payload * MB, strategy)
 
 
-async def _lines(s3: Any, uri: S3Uri, gzip: bool) -> AsyncIterator[bytes]:
-    """The object's lines, each with its newline (the last one may lack it)."""
-    got = await s3.get_object(Bucket=uri.bucket, Key=uri.key)
-    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS) if gzip else None
-    pending = b""
-    async with got["Body"] as body:
-        while chunk := await body.read(1024 * 1024):
-            data = inflate.decompress(chunk) if inflate else chunk
-            pending += data
-            *complete, pending = pending.split(b"\n")
-            for line in complete:
-                yield line + b"\n"
-    if inflate:
-        pending += inflate.flush()
-    if pending:
-        yield pending
-
-
-async def mini_batches(
-    lines: AsyncIterator[bytes], resolved: Resolved, split: str
-) -> AsyncIterator[tuple[bytes, int]]:
-    """(payload, records) per request."""
-    limit = resolved.max_payload_bytes
-    batch: list[bytes] = []
-    size = 0
-    async for line in lines:
-        if limit and len(line) > limit:
-            raise JobFailed(
-                f"ClientError: a record of {len(line)} bytes is over MaxPayloadInMB "
-                f"({limit // MB} MB)"
-            )
-        single = split == "Line" and resolved.strategy == "SingleRecord"
-        if batch and (single or (split == "Line" and limit and size + len(line) > limit)):
-            yield b"".join(batch), sum(1 for b in batch if b.strip())
-            batch, size = [], 0
-        batch.append(line)
-        size += len(line)
-    if batch:
-        if split == "None" and limit and size > limit:
-            raise JobFailed(f"ClientError: an object of {size} bytes is over MaxPayloadInMB")
-        yield b"".join(batch), sum(1 for b in batch if b.strip())
-
-
-class Transform:
-    """One job's run: its slots, its objects, its first failure."""
-
-    def __init__(
-        self, job: TransformJob, resolved: Resolved, s3: Any, http: aiohttp.ClientSession, url: str
-    ) -> None:
-        self.job = job
-        self.resolved = resolved
-        self.s3 = s3
-        self.http = http
-        self.url = url.rstrip("/") + "/invocations"
-        self.slots = asyncio.Semaphore(resolved.max_concurrent)
-
-    async def invoke(self, payload: bytes) -> bytes:
-        """One mini-batch, retried as the job's ModelClientConfig says; slot released after."""
-        job = self.job
-        timeout = aiohttp.ClientTimeout(total=job.invocations_timeout_s)
-        headers = {"Content-Type": job.content_type, "Accept": job.accept}
-        last = ""
-        try:
-            for attempt in range(job.invocations_max_retries + 1):
-                try:
-                    async with self.http.post(
-                        self.url, data=payload, headers=headers, timeout=timeout
-                    ) as response:
-                        body = await response.read()
-                    if response.status < 400:
-                        return body
-                    last = f"Received {response.status} from the container: {body[:300]!r}"
-                    if response.status < 500:
-                        break  # a refusal is not retried: it would be refused again
-                except (TimeoutError, aiohttp.ClientError) as exc:
-                    last = f"the container did not answer ({type(exc).__name__}: {exc})"
-                if attempt < job.invocations_max_retries:
-                    await asyncio.sleep(min(2.0**attempt * 0.1, 2.0))
-            raise JobFailed(f"ClientError: {last}")
-        finally:
-            self.slots.release()
-
-    async def run_object(self, key: str, output: S3Uri) -> ObjectResult:
-        source = S3Uri(parse_uri(self.job.input_uri).bucket, key)
-        result = ObjectResult(str(source), str(output))
-        writer = ObjectWriter(self.s3, output, self.job.accept)
-        pending: deque[asyncio.Task[bytes]] = deque()
-        try:
-            lines = _lines(self.s3, source, self.job.compression == "Gzip")
-            async for payload, records in mini_batches(lines, self.resolved, self.job.split_type):
-                await self.slots.acquire()  # read no further ahead than there are slots
-                pending.append(asyncio.create_task(self.invoke(payload)))
-                result.records += records
-                result.mini_batches += 1
-                while pending and pending[0].done():
-                    await self._assemble(writer, await pending.popleft())
-            while pending:
-                await self._assemble(writer, await pending.popleft())
-            await writer.close()
-        except BaseException:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            await writer.abort()
-            raise
-        result.bytes_out = writer.bytes
-        return result
-
-    async def _assemble(self, writer: ObjectWriter, body: bytes) -> None:
-        if self.job.assemble_with == "Line" and body and not body.endswith(b"\n"):
-            body += b"\n"
-        await writer.write(body)
-
-
-async def input_keys(s3: Any, prefix: S3Uri) -> list[str]:
-    keys: list[str] = []
-    token: dict[str, str] = {}
-    while True:
-        got = await s3.list_objects_v2(Bucket=prefix.bucket, Prefix=prefix.key, **token)
-        keys += [o["Key"] for o in got.get("Contents", []) if not o["Key"].endswith("/")]
-        if not got.get("IsTruncated"):
-            return keys
-        token = {"ContinuationToken": got["NextContinuationToken"]}
-
-
-def output_for(key: str, prefix: S3Uri, output: S3Uri) -> S3Uri:
-    """``<output>/<key relative to the input prefix's folder>.out``."""
-    folder = prefix.key[: prefix.key.rfind("/") + 1]
-    return output.join(key[len(folder) :] + ".out")
+def _reason(failure: BaseException) -> str:
+    if isinstance(failure, (JobFailed, InputsFailed)):
+        return str(failure)
+    return f"ClientError: {type(failure).__name__}: {failure}"
 
 
 async def run_transform(
@@ -237,6 +101,7 @@ async def run_transform(
     """Run the job; the result says Completed or Failed (with the reason), never raises for the
     job's own failures."""
     job.validate()
+    processing = DataProcessing.of(job)  # what cannot run here is refused before anything runs
     started = time.perf_counter()
     result = JobResult(job.job_name())
     try:
@@ -246,29 +111,27 @@ async def run_transform(
             "MaxPayloadInMB": resolved.max_payload_bytes // MB,
             "MaxConcurrentTransforms": resolved.max_concurrent,
         }
-        prefix, output = parse_uri(job.input_uri), parse_uri(job.output_uri)
-        keys = await input_keys(s3, prefix)
-        if not keys:
-            raise JobFailed(f"ClientError: no input objects under {job.input_uri}")
-        transform = Transform(job, resolved, s3, http, container_url)
+        inputs = await job_inputs(s3, job.data_type, job.input_uri, job.output_uri)
+        transform = Transform(job, resolved, s3, http, container_url, processing)
         objects = asyncio.Semaphore(resolved.max_concurrent)
 
-        async def one(key: str) -> None:
+        async def one(item: Input) -> None:
             async with objects:
-                done = await transform.run_object(key, output_for(key, prefix, output))
+                done = await transform.run_object(item.source, item.output)
             result.objects.append(done)
 
-        async with asyncio.TaskGroup() as group:
-            for key in keys:
-                group.create_task(one(key))
+        # Objects are independent, as on AWS: one that fails does not stop the others' uploads;
+        # the job fails if any did, with the first failure (in input order) as its reason.
+        outcomes = await asyncio.gather(*(one(item) for item in inputs), return_exceptions=True)
+        failures = [(i, o) for i, o in zip(inputs, outcomes, strict=True) if o is not None]
         result.objects.sort(key=lambda o: o.input)
+        for item, failure in failures:
+            result.failed_objects.append({"input": str(item.source), "reason": _reason(failure)})
+        if failures:
+            raise failures[0][1]
         result.status = "Completed"
-    except* JobFailed as failed:
+    except Exception as failed:  # S3 refused, an object vanished: the job fails, saying why
         result.status = "Failed"
-        result.failure_reason = str(failed.exceptions[0])
-    except* Exception as broken:  # S3 refused, an object vanished: the job fails, saying why
-        result.status = "Failed"
-        first = broken.exceptions[0]
-        result.failure_reason = f"ClientError: {type(first).__name__}: {first}"
+        result.failure_reason = _reason(failed)
     result.seconds = time.perf_counter() - started
     return result

@@ -1,8 +1,8 @@
 """An application calling Arbiter the three ways SageMaker offers, with boto3 and nothing else.
 
 The same file runs against `make run`'s stack and against AWS: which one is decided by the
-environment alone (botocore's AWS_ENDPOINT_URL_<SERVICE> variables; see the README's "From your
-application"). ENDPOINT names the endpoint, BUCKET the data bucket.
+environment alone (botocore's AWS_ENDPOINT_URL_<SERVICE> variables; see docs/sagemaker.md, "From
+your application"). ENDPOINT names the endpoint, BUCKET the data bucket.
 """
 
 import json

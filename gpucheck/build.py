@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from arbiter import llama_build
 from gpucheck import plan
 
 COMMON_ARGS = (
@@ -142,16 +143,9 @@ def tool(name: str) -> str:
 
 
 def cpu_args() -> list[str]:
-    """The project's CPU flags for this machine (scripts/llama-cmake-args: no AMX, no -march)."""
-    env = {k: v for k, v in os.environ.items() if k != "CMAKE_ARGS"}
-    out = subprocess.run(
-        [str(plan.ROOT / "scripts" / "llama-cmake-args")],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.split()
+    """The project's CPU flags for this machine (no AMX, no -march; :mod:`arbiter.llama_build`),
+    whatever ``CMAKE_ARGS`` says: the CUDA build adds its own."""
+    return llama_build.cmake_args(environ={})
 
 
 def configure_args(src: Path, build: Path, cuda: CudaLibs | None) -> list[str]:

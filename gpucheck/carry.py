@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from arbiter import llama_build
 from gpucheck import plan, source, wheels
 
 SOURCE_NAME = "llama-src.tar.gz"
@@ -30,7 +31,7 @@ def _gguf_env(gguf_py: Path) -> dict[str, str]:
 def assemble(carry: Path, real_model: Path, work: Path) -> dict[str, Any]:
     """Write ``carry`` (reusing what is already there and current); returns the manifest."""
     carry.mkdir(parents=True, exist_ok=True)
-    sdist = source.sdist_path()
+    sdist = llama_build.sdist_path()
     tarball = carry / SOURCE_NAME
     counts = source.trim(sdist, tarball)
     src = source.extract(tarball, work / f"src-{source.digest(tarball)}")
@@ -49,7 +50,7 @@ def assemble(carry: Path, real_model: Path, work: Path) -> dict[str, Any]:
         )
     carried = wheels.collect(carry / WHEELS_DIR)
     manifest = {
-        "llama_cpp_python": plan.LLAMA_CPP_PYTHON_VERSION,
+        "llama_cpp_python": llama_build.LLAMA_CPP_PYTHON_VERSION,
         "source": {"file": SOURCE_NAME, "bytes": tarball.stat().st_size, **counts},
         "skeleton": {"file": SKELETON_NAME, **made},
         "wheels": [w.name for w in carried],

@@ -18,9 +18,6 @@ CACHE = Path.home() / ".cache" / "arbiter" / "gpu-check"
 TRAVEL_LIMIT_BYTES = 64 * 2**20
 TRAVEL_MARGIN_BYTES = 8 * 2**20  # room for the repository to grow before the call is made
 
-# llama-cpp-python as the project pins it (pyproject.toml); its sdist vendors llama.cpp.
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-
 # The device's Python (KINDS.md: 3.12.3). pydantic-core is compiled per CPython minor version, so
 # wheels for the neighbours travel too and the install picks the one that matches.
 DEVICE_PYTHON = (3, 12)
@@ -61,7 +58,7 @@ DEVICE_IMAGE_PACKAGES = (
     "packaging",
 )
 
-# The call: one command, its limit, and what it carries. README's "GPU check" section quotes these.
+# The call: one command, its limit, and what it carries. docs/gpu-check.md quotes these.
 DEVICE_COMMAND = "PYTHONUNBUFFERED=1 scripts/gpu-check --device"
 DEVICE_CARRY = (".gpu-carry",)
 DEVICE_TIMEOUT_S = 540

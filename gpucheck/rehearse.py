@@ -117,7 +117,7 @@ def rehearse(out: Path) -> int:
 
 
 def device_call() -> str:
-    """The device tool call that runs the check, as README's "GPU check" section gives it."""
+    """The device tool call that runs the check, as docs/gpu-check.md gives it."""
     return (
         "The device call (once `scripts/gpu-check --prepare` has written .gpu-carry/):\n"
         f"  command:   {plan.DEVICE_COMMAND}\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# The seed's headline (JevBench, README): GPU faster than CPU by these factors.
+# The seed's headline (JevBench, docs/gpu-check.md): GPU faster than CPU by these factors.
 SEED_P50, SEED_P95 = 4.9, 32.2
 # Parallel branches are worth making the default with offloaded layers only for a clear win.
 PARALLEL_WIN = 1.10

@@ -12,14 +12,12 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import subprocess
-import sys
 import tarfile
 from pathlib import Path, PurePosixPath
 
-from gpucheck import plan
+from arbiter.llama_build import VENDORED_LLAMA_CPP
 
-LLAMA = "vendor/llama.cpp"
+LLAMA = VENDORED_LLAMA_CPP
 # Kept, relative to the sdist's root; a folder keeps everything below it unless dropped below.
 KEEP = (
     "LICENSE.md",
@@ -58,31 +56,6 @@ def _kept(path: str) -> bool:
         backend = p.relative_to(ggml_src).parts[0]
         return backend in GGML_BACKENDS_KEPT
     return True
-
-
-def sdist_path() -> Path:
-    """llama-cpp-python's sdist, downloaded once into the cache (pip, from the package index)."""
-    name = f"llama_cpp_python-{plan.LLAMA_CPP_PYTHON_VERSION}.tar.gz"
-    target = plan.CACHE / "sdist" / name
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--quiet",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                "--dest",
-                str(target.parent),
-                f"llama-cpp-python=={plan.LLAMA_CPP_PYTHON_VERSION}",
-            ],
-            check=True,
-        )
-    return target
 
 
 def trim(sdist: Path, out: Path) -> dict[str, int]:

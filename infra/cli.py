@@ -51,7 +51,8 @@ def _csv(value: str) -> list[str]:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from infra.deploy import DeployConfig, DeployError, deploy
+    from infra.deploy import DeployConfig, DeployError
+    from infra.deploy_run import deploy
 
     config = DeployConfig(
         stack=args.stack,

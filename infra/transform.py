@@ -25,6 +25,7 @@ SPLIT_TYPES = ("None", "Line")
 STRATEGIES = ("MultiRecord", "SingleRecord")
 ASSEMBLE = ("None", "Line")
 COMPRESSION = ("None", "Gzip")
+DATA_TYPES = ("S3Prefix", "ManifestFile")  # TransformS3DataSource's compatible S3DataTypes
 
 
 class TransformError(DeployError):
@@ -36,9 +37,10 @@ class TransformJob:
     """``CreateTransformJob``'s parameters; None means "the container's, else SageMaker's default"
     (``GET /execution-parameters`` first, then 1 transform, 6 MB, SingleRecord)."""
 
-    input_uri: str  # S3Prefix: every object under it is an input
+    input_uri: str  # S3Prefix: every object under it is an input; ManifestFile: the manifest
     output_uri: str
     name: str = ""
+    data_type: str = "S3Prefix"
     content_type: str = "application/jsonlines"
     accept: str = "application/jsonlines"
     split_type: str = "Line"
@@ -47,6 +49,9 @@ class TransformJob:
     max_payload_mb: int | None = None
     max_concurrent_transforms: int | None = None
     assemble_with: str = "Line"
+    input_filter: str | None = None  # DataProcessing: None sends nothing ("$" on AWS)
+    output_filter: str | None = None
+    join_source: str | None = None  # "Input" or "None"
     invocations_timeout_s: int = 600
     invocations_max_retries: int = 3
     instance_type: str = CPU_INSTANCE_TYPE
@@ -71,10 +76,11 @@ class TransformJob:
             ("BatchStrategy", self.batch_strategy or "SingleRecord", STRATEGIES),
         )
         problems += [f"{n} is one of {', '.join(c)}" for n, v, c in choices if v not in c]
+        problems += self._input_problems()
         if self.max_payload_mb is not None and not 0 <= self.max_payload_mb <= 100:
             problems.append("MaxPayloadInMB is 0 to 100")
-        if self.max_concurrent_transforms is not None and self.max_concurrent_transforms < 1:
-            problems.append("MaxConcurrentTransforms is at least 1")
+        if self.max_concurrent_transforms is not None and self.max_concurrent_transforms < 0:
+            problems.append("MaxConcurrentTransforms is at least 0 (0: the container's)")
         if (self.max_payload_mb or 0) * (self.max_concurrent_transforms or 1) > 100:
             problems.append("MaxConcurrentTransforms x MaxPayloadInMB is at most 100")
         if not 1 <= self.invocations_timeout_s <= 3600:
@@ -85,6 +91,24 @@ class TransformJob:
             problems.append("a transform job's Environment holds at most 16 entries")
         if problems:
             raise TransformError("; ".join(problems))
+
+    def _input_problems(self) -> list[str]:
+        """S3DataType and DataProcessing."""
+        problems = []
+        if self.data_type not in DATA_TYPES:
+            problems.append(
+                f"S3DataType {self.data_type!r} is not compatible with batch transform (SageMaker's "
+                f"TransformS3DataSource: the compatible values are {' and '.join(DATA_TYPES)})"
+            )
+        if self.join_source not in (None, "Input", "None"):
+            problems.append("JoinSource is Input or None")
+        for label, path in (
+            ("InputFilter", self.input_filter),
+            ("OutputFilter", self.output_filter),
+        ):
+            if path is not None and len(path) > 63:
+                problems.append(f"{label} is a JSONPath of at most 63 characters")
+        return problems
 
     def all_environment(self) -> dict[str, str]:
         # The container sizes its advertised MaxPayloadInMB to the job's invocation timeout.
@@ -104,7 +128,9 @@ class TransformJob:
             },
             "Environment": self.all_environment(),
             "TransformInput": {
-                "DataSource": {"S3DataSource": {"S3DataType": "S3Prefix", "S3Uri": self.input_uri}},
+                "DataSource": {
+                    "S3DataSource": {"S3DataType": self.data_type, "S3Uri": self.input_uri}
+                },
                 "ContentType": self.content_type,
                 "CompressionType": self.compression,
                 "SplitType": self.split_type,
@@ -119,6 +145,13 @@ class TransformJob:
                 "InstanceCount": self.instance_count,
             },
         }
+        processing = {
+            "InputFilter": self.input_filter,
+            "OutputFilter": self.output_filter,
+            "JoinSource": self.join_source,
+        }
+        if any(v is not None for v in processing.values()):
+            params["DataProcessing"] = {k: v for k, v in processing.items() if v is not None}
         if self.batch_strategy is not None:
             params["BatchStrategy"] = self.batch_strategy
         if self.max_payload_mb is not None:
@@ -157,8 +190,55 @@ class TransformModel:
         }
 
 
+def check_against_model(operation: str, params: dict[str, Any]) -> None:
+    """``params`` against botocore's own sagemaker model: what botocore validates (types, required
+    members, minima), and what it sends unchecked but AWS refuses (enums, maxima)."""
+    import botocore.session
+    from botocore.validate import ParamValidator
+
+    model = botocore.session.get_session().get_service_model("sagemaker")
+    shape = model.operation_model(_OPERATIONS[operation]).input_shape
+    problems: list[str] = []
+    report = ParamValidator().validate(params, shape)
+    if report.has_errors():
+        problems.append(report.generate_report().replace("\n", "; "))
+    _walk(shape, params, operation, problems)
+    if problems:
+        raise TransformError("; ".join(problems))
+
+
+_OPERATIONS = {"create_model": "CreateModel", "create_transform_job": "CreateTransformJob"}
+
+
+def _walk(shape: Any, value: Any, where: str, problems: list[str]) -> None:
+    if shape.type_name == "structure" and isinstance(value, dict):
+        for name, item in value.items():
+            if name in shape.members:
+                _walk(shape.members[name], item, f"{where}.{name}", problems)
+    elif shape.type_name == "list" and isinstance(value, list):
+        for n, item in enumerate(value):
+            _walk(shape.member, item, f"{where}[{n}]", problems)
+    elif shape.type_name == "map" and isinstance(value, dict):
+        for key, item in value.items():
+            _walk(shape.key, key, f"{where} key", problems)
+            _walk(shape.value, item, f"{where}.{key}", problems)
+    elif shape.type_name == "string" and isinstance(value, str):
+        enum = getattr(shape, "enum", None) or []
+        if enum and value not in enum:
+            problems.append(f"{where}: {value!r} is not one of SageMaker's values")
+        if "max" in shape.metadata and len(value) > shape.metadata["max"]:
+            problems.append(f"{where}: longer than {shape.metadata['max']}")
+    elif (
+        shape.type_name in ("integer", "long")
+        and isinstance(value, int)
+        and value > shape.metadata.get("max", value)
+    ):
+        problems.append(f"{where}: {value} is over {shape.metadata['max']}")
+
+
 def plan(job: TransformJob, *, model: TransformModel | None, model_name: str | None) -> list[Call]:
-    """The calls, in order: (a model,) the transform job, then its description."""
+    """The calls, in order: (a model,) the transform job, then its description; each request
+    checked against botocore's sagemaker model first."""
     job.validate()
     if (model is None) == (model_name is None):
         raise TransformError("give either --model-name or --image, --model-data and --role")
@@ -172,6 +252,8 @@ def plan(job: TransformJob, *, model: TransformModel | None, model_name: str | N
     assert model_name is not None
     request = job.request(model_name)
     calls.append(Call("sagemaker", "create_transform_job", request))
+    for call in calls:
+        check_against_model(call.operation, call.params)
     calls.append(
         Call(
             "sagemaker",

@@ -3,7 +3,8 @@
 A test that passes with its fix removed guards nothing (issue 22 found three: JSON Lines' in-band
 path, an SSE test that only hung, a surrogate test that needed both layers gone). Each mutation
 below names the fix as the exact text it adds, the text the code would read without it, and the
-tests that must then fail. The file is restored however the run ends.
+tests that must then fail. Mutations run in copies of the tree (two at once by default), so the
+checkout itself is never written.
 
     .venv/bin/python scripts/mutate.py              # every mutation
     .venv/bin/python scripts/mutate.py NAME ...     # some of them; --list names them all
@@ -15,9 +16,14 @@ that moved must move here too).
 from __future__ import annotations
 
 import argparse
+import os
+import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +38,18 @@ class Mutation:
     fix: str  # exactly once in the file
     without: str  # what the code reads without the fix
     tests: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()  # set for its tests (a smaller campaign, say)
 
 
 BUDGET = "tests/arbiter/test_budget.py::"
 BUDGETS = "tests/adapter/test_budgets.py::"
 HOSTILE = "tests/adapter/test_hostile.py::"
 FAULTS = "tests/arbiter/test_engine_faults.py::"
+EVERY = "tests/arbiter/test_every_template.py::"
+ANSWERS = "test_every_template_renders_a_decision_that_ends_where_the_model_answers"
+REFUSALS = "tests/arbiter/test_template_refusals.py::"
+STREAMING = "tests/emulator/test_transform_streaming.py::"
+PROCESSING = "tests/emulator/test_transform_dataprocessing.py::"
 
 MUTATIONS = (
     Mutation(
@@ -261,35 +273,660 @@ MUTATIONS = (
         ),
     ),
     Mutation(
-        "late-outcome-is-nobodys",
-        "worker/fanout/outcome.py",
-        "        await delete_quietly(s3, bucket, outcome.output)\n        return None",
-        "        await delete_quietly(s3, bucket, outcome.output)\n        return outcome, False",
+        "outage-never-fails-a-shard",
+        "worker/fanout/runner.py",
+        "if not (isinstance(exc, JobRejected) or (last and classify(exc).counts)):",
+        "if not (isinstance(exc, JobRejected) or last):",
+        (
+            "tests/worker/test_outages.py::"
+            "test_a_store_outage_on_a_shards_only_try_spends_no_try_and_fails_no_line",
+        ),
+    ),
+    Mutation(
+        "outage-spends-no-try",
+        "worker/dispatch.py",
+        "        if failed.fault.counts:\n",
+        "        if True:\n",
+        (
+            "tests/worker/test_outages.py::"
+            "test_a_store_outage_on_a_jobs_last_try_does_not_dead_letter_it",
+            "tests/worker/test_fanout_faults.py::"
+            "test_4_a_merge_that_fails_on_the_store_outlives_the_redrive_and_spends_no_tries",
+        ),
+    ),
+    Mutation(
+        "breaker-stops-receiving",
+        "worker/queue.py",
+        "            if not await self.store.wait(self._stop) or not await self.queue_breaker.wait(\n"
+        "                self._stop\n"
+        "            ):\n"
+        "                return\n",
+        "",
+        (
+            "tests/worker/test_outages.py::"
+            "test_a_fresh_worker_takes_nothing_while_the_store_is_down",
+        ),
+    ),
+    Mutation(
+        "409-reads-again",
+        "worker/fanout/status.py",
+        "        except (PreconditionFailed, WriteConflict):",
+        "        except PreconditionFailed:",
+        (
+            "tests/worker/test_outages.py::"
+            "test_409s_on_the_conditional_writes_are_retried_where_412s_are",
+        ),
+    ),
+    Mutation(
+        "409-sent-again",
+        "worker/s3io.py",
+        "        except WriteConflict:\n            if attempt == CONFLICT_TRIES - 1:",
+        "        except ZeroDivisionError:\n            if attempt == CONFLICT_TRIES - 1:",
+        (
+            "tests/worker/test_outages.py::"
+            "test_409s_on_the_conditional_writes_are_retried_where_412s_are",
+        ),
+    ),
+    Mutation(
+        "dlq-records-at-the-end",
+        "worker/fanout/merge.py",
+        "            await self.dead_letters.send(keys, summary)\n",
+        "",
+        (
+            "tests/worker/test_fanout_ends.py::"
+            "test_a_failed_shard_delivered_again_and_again_has_one_dlq_record",
+        ),
+    ),
+    Mutation(
+        "dlq-records-once",
+        "worker/fanout/deadletters.py",
+        '            if found.get("state") == "sent":\n                return False\n',
+        "",
+        (
+            "tests/worker/test_fanout_ends.py::"
+            "test_a_failed_shard_delivered_again_and_again_has_one_dlq_record",
+        ),
+    ),
+    Mutation(
+        "status-rebuilt",
+        "worker/fanout/job.py",
+        "        if wrote and done:",
+        "        if False:",
+        (
+            "tests/worker/test_fanout_ends.py::test_a_status_that_is_gone_is_rebuilt_from_the_outcomes",
+        ),
+    ),
+    Mutation(
+        "results-made-of-the-outcomes",
+        "worker/fanout/merge.py",
+        '        if stats["reused_results"] and not await self._made_of(keys, digest):',
+        "        if False:",
+        (
+            "tests/worker/test_fanout_ends.py::"
+            "test_a_resend_after_the_summary_alone_was_lost_describes_the_results_that_exist",
+        ),
+    ),
+    Mutation(
+        "merge-reads-its-manifest",
+        "worker/fanout/runner.py",
+        "        manifest = await read_manifest(self.s3, self.bucket, folder)\n",
+        "        manifest = await self._manifest(ref, folder)\n",
+        ("tests/worker/test_fanout_ends.py::test_a_reruns_summary_has_its_own_times",),
+    ),
+    Mutation(
+        "dlq-claim-holds-the-end",
+        "worker/fanout/deadletters.py",
+        "                raise RecordsInFlight(f\"{key}: claimed by {found.get('by')}\")\n",
+        "                return False\n",
+        (
+            "tests/worker/test_fanout_ends.py::"
+            "test_an_end_that_finds_another_sending_the_records_keeps_the_job_until_they_are_sent",
+        ),
+    ),
+    # Issue 29: SageMaker's ways in, off the happy path.
+    Mutation(
+        "async-waits-for-ping",
+        "emulator/async_workers.py",
+        "                await self.readiness.wait()\n",
+        "",
+        (
+            "tests/emulator/test_async_durable.py::"
+            "test_a_request_sent_while_the_model_loads_is_answered_once_it_is_up",
+        ),
+    ),
+    Mutation(
+        "async-drain-takes-no-more",
+        "emulator/async_workers.py",
+        "            if self.stopping.is_set():  # SIGTERM: no more work taken\n",
+        "            if False:\n",
+        (
+            "tests/emulator/test_async_durable.py::"
+            "test_six_requests_a_sigterm_and_a_restart_all_six_answered",
+        ),
+    ),
+    Mutation(
+        "async-stop-hands-back",
+        "emulator/async_workers.py",
+        "                await asyncio.shield(self.backlog.release(held))\n",
+        "",
+        (
+            "tests/emulator/test_async_durable.py::"
+            "test_six_requests_a_sigterm_and_a_restart_all_six_answered",
+        ),
+    ),
+    Mutation(
+        "async-unwritten-answer-fails-visibly",
+        "emulator/async_workers.py",
+        "            if status < 400:\n                return await self._failed(",
+        '            if status < 400:\n                return Outcome("Failed", None) or await self._failed(',
+        (
+            "tests/emulator/test_async_durable.py::"
+            "test_an_answer_that_cannot_be_written_becomes_a_failure_object",
+        ),
+    ),
+    Mutation(
+        "runtime-limits-from-the-model",
+        "emulator/asynchronous.py",
+        '    limits.check(\n        "InvokeEndpointAsync"',
+        '    (lambda *_: None)(\n        "InvokeEndpointAsync"',
+        ("tests/emulator/test_limits.py::test_asyncs_named_refusals",),
+    ),
+    Mutation(
+        "realtime-response-bounded",
+        "emulator/realtime.py",
+        "invoke(invocation, timeout, MAX_BODY)",
+        "invoke(invocation, timeout, 10**12)",
+        (
+            "tests/emulator/test_limits.py::"
+            "test_a_7_mb_real_time_response_is_a_model_error_and_6_mb_requests_are_the_limit",
+        ),
+    ),
+    Mutation(
+        "no-content-type-invented",
+        "emulator/container.py",
+        'skip = () if invocation.content_type is not None else ("Content-Type",)',
+        "skip: tuple[str, ...] = ()",
+        ("tests/emulator/test_limits.py::test_no_content_type_is_invented",),
+    ),
+    Mutation(
+        "endpoint-modes",
+        "emulator/state.py",
+        "        if spec.mode != OPERATION_MODES[operation]:",
+        "        if False:",
+        ("tests/emulator/test_realtime.py::test_each_endpoint_answers_only_its_modes_operations",),
+    ),
+    Mutation(
+        "runtime-refuses-real-aws",
+        "emulator/serve.py",
+        "        check_aws(settings)\n",
+        "        pass\n",
+        (
+            "tests/emulator/test_front_safety.py::"
+            "test_without_a_local_endpoint_the_runtime_refuses_real_aws_in_one_line",
+        ),
+    ),
+    Mutation(
+        "async-input-confined",
+        "emulator/async_workers.py",
+        "        if not str(source).startswith(self.readable):",
+        "        if False:",
+        (
+            "tests/emulator/test_front_safety.py::"
+            "test_an_input_outside_the_roles_prefix_fails_as_access_denied",
+        ),
+    ),
+    Mutation(
+        "body-read-timeout",
+        "emulator/realtime.py",
+        "    async with timely_body(request):\n        async for chunk in request.content.iter_any():\n            body += chunk\n            if len(body) > MAX_BODY:",
+        "    async with contextlib.nullcontext():\n        async for chunk in request.content.iter_any():\n            body += chunk\n            if len(body) > MAX_BODY:",
+        (
+            "tests/emulator/test_front_safety.py::"
+            "test_a_half_sent_body_is_answered_408_after_the_body_timeout",
+        ),
+    ),
+    Mutation(
+        "transform-objects-independent",
+        "emulator/transform.py",
+        "await asyncio.gather(*(one(item) for item in inputs), return_exceptions=True)",
+        "await asyncio.gather(*(one(item) for item in inputs))",
+        (
+            "tests/emulator/test_transform.py::"
+            "test_objects_are_independent_one_failing_does_not_stop_the_others",
+        ),
+    ),
+    Mutation(
+        "transform-plan-checked-by-the-model",
+        "infra/transform.py",
+        "        check_against_model(call.operation, call.params)",
+        "        pass",
+        (
+            "tests/emulator/test_transform.py::test_the_dry_run_refuses_what_sagemakers_model_refuses",
+        ),
+    ),
+    # Issue 29, Batch Transform: bounded memory, the job's timeout, manifests, DataProcessing.
+    Mutation(
+        "transform-split-none-streamed",
+        "emulator/objects.py",
+        "self.url, data=body, headers=headers, timeout=self.timeout",
+        'self.url, data=b"".join([c async for c in body]), headers=headers, timeout=self.timeout',
+        (STREAMING + "test_split_none_payload_0_streams_a_large_object_in_bounded_memory",),
+    ),
+    Mutation(
+        "transform-record-refused-unfinished",
+        "emulator/splits.py",
+        "        if len(pending) > max_record:\n",
+        "        if False:\n",
+        (STREAMING + "test_a_gzip_bomb_is_refused_once_it_inflates_past_the_limit[Line]",),
+    ),
+    Mutation(
+        "transform-inflate-bounded",
+        "emulator/splits.py",
+        "data = inflate.decompress(chunk, READ_BYTES)",
+        "data = inflate.decompress(chunk)",
+        (STREAMING + "test_a_gzip_bomb_is_refused_once_it_inflates_past_the_limit[None]",),
+    ),
+    Mutation(
+        "transform-object-size-checked-first",
+        "emulator/objects.py",
+        "            if limit and size > limit:\n",
+        "            if False:\n",
+        (STREAMING + "test_an_object_over_max_payload_is_refused_before_a_byte_is_sent",),
+    ),
+    Mutation(
+        "transform-sized-to-the-jobs-timeout",
+        "emulator/transform.py",
+        'sized = {"InvocationsTimeoutInSeconds": str(job.invocations_timeout_s)}',
+        "sized = None",
+        (
+            "tests/emulator/test_transform.py::test_the_containers_payload_is_sized_to_the_jobs_timeout",
+        ),
+    ),
+    Mutation(
+        "execution-parameters-timeout-asked",
+        "adapter/execution.py",
+        "    timeout_s = _asked_timeout(request)\n",
+        "    timeout_s = None\n",
+        (HOSTILE + "test_execution_parameters_size_the_payload_to_the_timeout_asked_for",),
+    ),
+    Mutation(
+        "transform-manifest-read",
+        "emulator/inputs.py",
+        '    if data_type == "ManifestFile":\n',
+        "    if False:\n",
+        ("tests/emulator/test_transform.py::test_a_manifest_file_names_the_objects_to_transform",),
+    ),
+    Mutation(
+        "transform-augmented-manifest-refused",
+        "infra/transform.py",
+        "        if self.data_type not in DATA_TYPES:\n",
+        "        if False:\n",
+        (
+            "tests/emulator/test_transform.py::"
+            "test_augmented_manifest_file_is_refused_as_sagemaker_documents",
+        ),
+    ),
+    Mutation(
+        "transform-join-source-input",
+        "emulator/dataprocessing.py",
+        "        if self.join:\n            original = _parsed(",
+        "        if False:\n            original = _parsed(",
+        (PROCESSING + "test_join_source_input_adds_the_answer_as_sagemaker_output",),
+    ),
+    Mutation(
+        "transform-input-filter-applied",
+        "emulator/dataprocessing.py",
+        'selected = self.input_filter.apply(_parsed(line, number, "input record"))',
+        'selected = _parsed(line, number, "input record")',
+        (PROCESSING + "test_the_guides_id_example_filters_in_and_out",),
+    ),
+    Mutation(
+        "transform-filter-names-give-an-object",
+        "emulator/dataprocessing.py",
+        '            return "object"\n',
+        '            return "list"\n',
+        (PROCESSING + "test_the_guides_id_example_filters_in_and_out",),
+    ),
+    Mutation(
+        "transform-filter-subset-held",
+        "emulator/dataprocessing.py",
+        "        if not isinstance(segment, JSONPathChildSegment):\n",
+        "        if False:\n",
+        (PROCESSING + "test_what_is_outside_the_subset_is_refused",),
+    ),
+    # issue 28: every template llama.cpp knows, read at the answer position; refusals in one line
+    Mutation(
+        "generation-tag",
+        "arbiter/templates.py",
+        "extensions=[jinja2.ext.loopcontrols, GenerationTag],",
+        "extensions=[jinja2.ext.loopcontrols],",
+        (EVERY + "test_every_template_renders_a_decision_that_ends_where_the_model_answers",),
+    ),
+    Mutation(
+        "tools-left-undefined",
+        "arbiter/templates.py",
+        "            messages=[dict(m) for m in messages],\n",
+        "            messages=[dict(m) for m in messages],\n            tools=None,\n",
+        (EVERY + ANSWERS + "[NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use]",),
+    ),
+    Mutation(
+        "undefined-joins-as-empty",
+        "arbiter/templates.py",
+        "        undefined=Unset,\n",
+        "",
+        (EVERY + ANSWERS + "[fireworks-ai-llama-3-firefunction-v2]",),
+    ),
+    Mutation(
+        "family-switches",
+        "arbiter/answer_position.py",
+        '        kwargs["thinking_budget"] = 0',
+        "        pass",
+        (EVERY + ANSWERS + "[ByteDance-Seed-OSS]",),
+    ),
+    Mutation(
+        "rest-of-the-reasoning-block",
+        "arbiter/answer_position.py",
+        "        return after[written:]",
+        "        return after",
+        (EVERY + ANSWERS + "[Cohere2MoE]",),
+    ),
+    Mutation(
+        "answer-header",
+        "arbiter/answer_position.py",
+        "        return turn[written:]",
+        '        return ""',
+        (EVERY + ANSWERS + "[meetkai-functionary-medium-v3.2]",),
+    ),
+    Mutation(
+        "self-opened-reasoning",
+        "arbiter/answer_position.py",
+        "                return Closure(family.name, family.closing)",
+        "                pass",
+        (EVERY + ANSWERS + "[MiMo-VL]",),
+    ),
+    Mutation(
+        "template-refused-in-one-line",
+        "arbiter/engine/prompting.py",
+        "            raise TemplateRefused(template_refusal(llama.path.name, exc)) from None",
+        "            raise",
+        (REFUSALS + "test_prompt_refuses_in_one_line",),
+    ),
+    Mutation(
+        "serve-checks-before-listening",
+        "adapter/serve.py",
+        "    check_before_listening(engine_settings)  # the chat template renders a decision\n",
+        "",
+        (REFUSALS + "test_serve_refuses_before_it_listens",),
+    ),
+    Mutation(
+        "entrypoint-checks-the-template",
+        "adapter/entrypoint.py",
+        "            check_template(resolved.path, engine, profile)  # from the header: milliseconds",
+        "            pass",
+        (REFUSALS + "test_the_entrypoint_refuses_in_one_line",),
+    ),
+    Mutation(
+        "prompt-checks-as-the-engine",
+        "arbiter/show_prompt.py",
+        "            prepared = preparer.prepare(number, request, state_bytes)",
+        "            prepared = preparer.prepare(number, request.model_copy(update={'options': "
+        "request.options[:2]}), state_bytes)",
+        (
+            "tests/arbiter/test_show_prompt.py::"
+            "test_more_options_than_a_profiles_labels_is_the_engines_error_not_a_crash",
+        ),
+    ),
+    Mutation(
+        "file-profile-version",
+        "arbiter/profiles.py",
+        '        return name if self.builtin else f"{name}@{self.sha256[:12]}"',
+        "        return name",
+        (
+            "tests/arbiter/test_show_prompt.py::"
+            "test_a_profile_file_named_like_a_builtin_reports_its_own_version",
+        ),
+    ),
+    Mutation(
+        "read-check-refuses",
+        "arbiter/engine/read_check.py",
+        '    elif mode == "refuse":',
+        "    elif False:",
+        (
+            "tests/arbiter/test_read_check.py::"
+            "test_a_prompt_that_does_not_end_at_the_answer_refuses_to_start",
+        ),
+    ),
+    Mutation(
+        "install-checks-the-sha256",
+        "arbiter/model_store.py",
+        "    if size != model.bytes or digest.hexdigest() != model.sha256:",
+        "    if size != model.bytes:",
+        (
+            "tests/arbiter/test_model_store.py::"
+            "test_a_part_that_does_not_join_to_the_pinned_file_installs_nothing",
+        ),
+    ),
+    Mutation(
+        "integer-bounds-in-the-grammar",
+        "arbiter/engine/grammar.py",
+        "            if low is not None or high is not None:",
+        "            if False:",
+        ("tests/arbiter/test_json_schema.py::test_integer_bounds_reach_the_grammar",),
+    ),
+    Mutation(
+        "integer-range-digits",
+        "arbiter/engine/int_range.py",
+        "        first += 1",
+        "        first += 0",
+        (
+            "tests/arbiter/test_json_schema.py::"
+            "test_integer_bounds_admit_exactly_the_integers_in_range",
+        ),
+    ),
+    Mutation(
+        "openai-routes-answer-400",
+        "adapter/middleware.py",
+        "    status = 400 if openai and error.status == 422 else error.status",
+        "    status = error.status",
+        (
+            "tests/adapter/test_parameters.py::"
+            "test_an_unsupported_parameter_is_refused_by_name_before_any_work",
+        ),
+    ),
+    Mutation(
+        "seed-minus-one-is-random",
+        "adapter/parameters.py",
+        "        seed=None if fields.seed in RANDOM_SEEDS else fields.seed,",
+        "        seed=fields.seed,",
+        ("tests/adapter/test_openai_conformance.py::test_seed_minus_one_draws_a_random_seed",),
+    ),
+    Mutation(
+        "bytes-cut-with-the-token",
+        "arbiter/engine/generation.py",
+        '        kept[-1].bytes = choice.text.encode("utf-8", "surrogatepass")[before:]',
+        "        pass",
+        (
+            "tests/arbiter/test_generation.py::"
+            "test_a_stop_string_cuts_at_its_first_match_also_when_streamed",
+        ),
+    ),
+    Mutation(
+        "message-fields-refused-by-name",
+        "adapter/chat.py",
+        "        for key in message.unsupported():",
+        "        for key in []:",
+        (
+            "tests/adapter/test_openai_conformance.py::"
+            "test_message_fields_are_honoured_or_refused_by_name",
+        ),
+    ),
+    Mutation(
+        "assistant-prefill",
+        "arbiter/prompt.py",
+        '    prefilled = prefill and bool(roles) and roles[-1] == "assistant"',
+        "    prefilled = False",
+        (
+            "tests/arbiter/test_templates.py::"
+            "test_a_last_assistant_message_is_prefilled_unless_switched_off",
+        ),
+    ),
+    # issue 30: bench and the GPU check stop importing each other (the shared facts in the core).
+    Mutation(
+        "bench-imports-gpucheck",
+        "bench/llama_server.py",
+        "from arbiter import llama_build\n",
+        "from arbiter import llama_build\nfrom gpucheck import plan as _plan  # noqa: F401\n",
+        ("tests/test_layering.py::test_bench_and_the_gpu_check_do_not_import_each_other",),
+    ),
+    Mutation(
+        "refusals-one-line",
+        "arbiter/cli.py",
+        "    except Exception as exc:\n        line = refusal(exc)",
+        "    except ArithmeticError as exc:\n        line = refusal(exc)",
+        (
+            "tests/test_refusals.py::test_a_refusal_is_one_line_and_status_2[submit, no credentials]",
+        ),
+    ),
+    Mutation(
+        "serve-checks-files-first",
+        "adapter/serve.py",
+        "    check_files(engine_settings)\n",
+        "",
+        (
+            "tests/test_refusals.py::test_a_refusal_is_one_line_and_status_2[serve, missing adapter]",
+        ),
+    ),
+    Mutation(
+        "work-checks-before-spawning",
+        "worker/cli.py",
+        "    _preflight(settings)\n",
+        "",
+        ("tests/test_refusals.py::test_a_refusal_is_one_line_and_status_2[work, no credentials]",),
+    ),
+    Mutation(
+        "decide-reads-sagemaker-settings",
+        "arbiter/engine/__init__.py",
+        "    settings = settings or engine_from_environment()\n",
+        "    settings = settings or EngineSettings()\n",
+        (
+            "tests/test_same_settings.py::"
+            "test_sm_llama_cpp_lora_changes_decides_numbers_as_it_changes_serves",
+        ),
+    ),
+    # issue 27, piece 4: the campaign can fail (a demonstration, not a fix: no shard may fail
+    # without a cause in the plan, so a fan-out that fails every shard fails the campaign)
+    Mutation(
+        "fail-every-shard",
+        "worker/fanout/shard.py",
+        "        started = time.perf_counter()\n        got = await self._open(",
+        '        raise RuntimeError("every shard fails")\n        got = await self._open(',
+        ("tests/worker/test_campaign.py::test_a_few_dozen_fault_seeds_find_nothing",),
+        (("ARBITER_CAMPAIGN_SEEDS", "0:3"),),  # three seeds split jobs enough to fail a shard
+    ),
+    # issue 27, piece 5: versioned buckets
+    Mutation(
+        "read-by-version-id",
+        "worker/jobs.py",
+        '    head_kw: dict[str, Any] = {"Bucket": ref.bucket, "Key": ref.key}\n',
+        '    head_kw: dict[str, Any] = {"Bucket": ref.bucket, "Key": ref.key}\n'
+        '    if ref.version_id:\n        head_kw["VersionId"] = ref.version_id\n',
+        (
+            "tests/worker/test_versioned.py::"
+            "test_jobs_on_a_versioned_bucket_run_under_a_role_without_get_object_version",
+        ),
+    ),
+    # issue 27, piece 6: scale
+    Mutation(
+        "striped-status",
+        "worker/fanout/plan.py",
+        "STRIPES = 32  # the most",
+        "STRIPES = 1  # the most",
+        (
+            "tests/worker/test_scale.py::"
+            "test_32_workers_counting_one_jobs_shards_at_once_contend_on_no_key",
+        ),
+    ),
+    Mutation(
+        "refused-before-the-split",
+        "worker/fanout/split.py",
+        '    if not fits_unread(ref.key, found.head.get("ContentLength"), shard_lines):\n'
+        "        await count_shards(s3, ref, found, settings, shard_lines)  # refused before any write\n",
+        "",
         (
             "tests/worker/test_fanout_faults.py::"
-            "test_a_shard_failed_as_its_job_ends_sends_no_dlq_record",
+            "test_11_a_job_beyond_the_most_shards_is_refused_with_a_clear_error",
         ),
+    ),
+    Mutation(
+        "split-uploads-at-once",
+        "worker/fanout/split.py",
+        "UPLOADS = 4  # shard inputs in flight",
+        "UPLOADS = 1  # shard inputs in flight",
+        ("tests/worker/test_scale.py::test_the_split_uploads_several_shard_inputs_at_once",),
+    ),
+    Mutation(
+        "merge-reads-at-once",
+        "worker/fanout/merge.py",
+        "PIECE_CONCURRENCY = 8  # ranged GETs",
+        "PIECE_CONCURRENCY = 1  # ranged GETs",
+        ("tests/worker/test_scale.py::test_the_merge_reads_the_pieces_of_a_part_several_at_once",),
     ),
 )
 
 
-def run_tests(tests: tuple[str, ...], timeout_s: float) -> tuple[int, float]:
+def copy_tree(into: Path) -> Path:
+    """A copy of the checkout to mutate (the checkout itself is never written): its own sources,
+    the same virtual environment, which finds them first through PYTHONPATH (see `environment`)."""
+    junk = shutil.ignore_patterns(".git", ".venv", ".mypy_cache", ".ruff_cache", "__pycache__")
+    shutil.copytree(ROOT, into, ignore=junk, symlinks=True)
+    return into
+
+
+def environment(tree: Path, extra: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
+    """PYTHONPATH puts the copy's packages before the editable install's finder (which points at
+    the checkout), for pytest and for every child process a test starts."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH")) if p)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutated file's bytecode is never cached
+    env.update(extra)
+    return env
+
+
+def check_copy(tree: Path) -> None:
+    """Refuse to run if the copy's code is not what its tests import: every mutation would
+    survive, or worse, seem caught by the checkout's own code."""
+    probe = "import arbiter, worker; print(arbiter.__file__); print(worker.__file__)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tree,
+        env=environment(tree),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for line in done.stdout.split():
+        if not Path(line).resolve().is_relative_to(tree.resolve()):
+            raise SystemExit(f"mutate: the copy at {tree} imports {line}, not its own code")
+
+
+def run_tests(tree: Path, mutation: Mutation, timeout_s: float) -> tuple[int, float]:
     started = time.perf_counter()
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
-    command += ["--timeout", str(int(timeout_s)), *tests]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    command += ["--timeout", str(int(timeout_s)), *mutation.tests]
+    env = environment(tree, mutation.env)
+    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=False)
     return done.returncode, time.perf_counter() - started
 
 
-def mutate(mutation: Mutation, timeout_s: float) -> tuple[str, float]:
-    path = ROOT / mutation.path
+def mutate(tree: Path, mutation: Mutation, timeout_s: float) -> tuple[str, float]:
+    path = tree / mutation.path
     original = path.read_bytes()
     text = original.decode()
     if text.count(mutation.fix) != 1:
         return f"GONE (its text is in {mutation.path} {text.count(mutation.fix)} times)", 0.0
     try:
         path.write_text(text.replace(mutation.fix, mutation.without))
-        code, seconds = run_tests(mutation.tests, timeout_s)
+        code, seconds = run_tests(tree, mutation, timeout_s)
     finally:
         path.write_bytes(original)
     # pytest: 1 some test failed (the mutation is caught); 0 all passed (it survived); others:
@@ -298,11 +935,68 @@ def mutate(mutation: Mutation, timeout_s: float) -> tuple[str, float]:
     return verdict, seconds
 
 
+def run_all(chosen: list[Mutation], jobs: int, timeout_s: float) -> int:
+    """Each job mutates its own copy of the tree, one mutation at a time, so two mutations never
+    meet (the tests of one would see the other); the slowest go first, to end together."""
+    order = sorted(chosen, key=lambda m: -SLOW.get(m.name, 0))
+    waiting: queue.SimpleQueue[Mutation] = queue.SimpleQueue()
+    for m in order:
+        waiting.put(m)
+    failed = 0
+    lock = threading.Lock()
+
+    def work(tree: Path) -> None:
+        nonlocal failed
+        while True:
+            try:
+                m = waiting.get_nowait()
+            except queue.Empty:
+                return
+            verdict, seconds = mutate(tree, m, timeout_s)
+            with lock:
+                failed += verdict != "caught"
+                print(f"{m.name:32} {verdict:10} {seconds:6.1f} s  {m.path}", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="mutate-") as scratch:
+        trees = [copy_tree(Path(scratch) / f"tree-{i}") for i in range(jobs)]
+        check_copy(trees[0])
+        threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in trees]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    print(f"{len(chosen) - failed} of {len(chosen)} mutations caught by their tests")
+    return 1 if failed else 0
+
+
+# Seconds each took on CI's 2 cores (the longest first keeps the two jobs ending together).
+SLOW = {
+    "async-waits-for-ping": 132,
+    "work-checks-before-spawning": 106,
+    "outage-spends-no-try": 103,
+    "async-unwritten-answer-fails-visibly": 72,
+    "async-input-confined": 72,
+    "abandoned-slot-cancels": 69,
+    "read-by-version-id": 56,
+    "async-stop-hands-back": 45,
+    "async-drain-takes-no-more": 44,
+    "options-named": 43,
+    "body-read-timeout": 42,
+    "token-budget": 42,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
     parser.add_argument("--list", action="store_true", help="name every mutation and its tests")
     parser.add_argument("--timeout", type=float, default=300, help="pytest --timeout per test")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="mutations run at once, each in its own copy of the tree (default: 2, or 1 on 1 CPU)",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for m in MUTATIONS:
@@ -313,15 +1007,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown mutations: {', '.join(unknown)} (see --list)")
     chosen = [known[n] for n in args.names] if args.names else list(MUTATIONS)
-    # A SIGTERM (a CI timeout) still restores the file being mutated.
+    # A SIGTERM (a CI timeout) still removes the copies.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    failed = 0
-    for m in chosen:
-        verdict, seconds = mutate(m, args.timeout)
-        failed += verdict != "caught"
-        print(f"{m.name:32} {verdict:10} {seconds:6.1f} s  {m.path}", flush=True)
-    print(f"{len(chosen) - failed} of {len(chosen)} mutations caught by their tests")
-    return 1 if failed else 0
+    return run_all(chosen, max(1, min(args.jobs, len(chosen))), args.timeout)
 
 
 if __name__ == "__main__":

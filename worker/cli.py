@@ -26,7 +26,30 @@ def cmd_work(args: argparse.Namespace) -> int:
 
     configure()
     settings = _settings(args, worker_processes=args.processes, metrics_port=args.metrics_port)
+    _preflight(settings)
     return asyncio.run(run_pool(settings))
+
+
+def _preflight(settings: Any) -> None:
+    """What every worker would die of at once, refused before the pool spawns any (one line,
+    status 2, instead of a crash loop): the real engine's files, and no AWS credentials at all
+    (the credential chain is read; nothing is called)."""
+    from botocore.exceptions import NoCredentialsError
+    from botocore.session import get_session
+
+    if (
+        settings.worker_engine_factory
+        == type(settings).model_fields["worker_engine_factory"].default
+    ):
+        from arbiter.engine import check_files
+        from arbiter.settings import engine_from_environment
+
+        check_files(engine_from_environment())
+    if (
+        "aws_access_key_id" not in settings.client_kwargs()
+        and get_session().get_credentials() is None
+    ):
+        raise NoCredentialsError()
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -85,8 +108,8 @@ def register(sub: Any) -> None:
 
     check = sub.add_parser(
         "check-fanout",
-        help="run a small split job on the deployed stack and verify what it left (README: "
-        "Exactly once)",
+        help="run a small split job on the deployed stack and verify what it left (docs/batch-jobs.md: "
+        "What moto cannot prove)",
     )
     check.add_argument("--lines", type=int, default=240, help="decisions in the job")
     check.add_argument("--shard-lines", type=int, default=40, help="lines per shard")

@@ -1,38 +1,43 @@
 """What one received message's entries are run as, and what a failed receive becomes: the fan-out
 runs each job, shard or merge (:class:`worker.fanout.FanOut`), with a log line and metrics around
-it; a failure backs off, or, on the worker's last try, fails a shard for good or dead-letters a job
-(:mod:`worker.replies` says why the worker, not the redrive, decides)."""
+it. A failure of the work itself (:mod:`worker.faults`) backs off, or, on the message's last try
+(:mod:`worker.tries`), fails a shard for good; a store or queue fault gives the message back for
+later without spending a try."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from worker.events import Ignored, Ref, ShardRef
 from worker.fanout import Delivery, FanOut
+from worker.faults import Fault, classify, describe
 from worker.jobs import JobRejected, JobReport
 from worker.metrics import WorkerMetrics
-from worker.policies import ExponentialBackoff, goes_to_dlq
 from worker.replies import Replies
+from worker.tries import Receive, Tries
 
 log = structlog.get_logger("arbiter.worker")
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A receive that failed: whose fault, and the error."""
+
+    fault: Fault
+    error: str
 
 
 class Dispatch:
     """Runs the entries of received messages for one worker, and answers their failures."""
 
     def __init__(
-        self,
-        fanout: FanOut,
-        replies: Replies,
-        metrics: WorkerMetrics,
-        backoff: ExponentialBackoff,
-        tries: int,
+        self, fanout: FanOut, replies: Replies, metrics: WorkerMetrics, tries: Tries
     ) -> None:
-        self.fanout, self.replies, self.metrics = fanout, replies, metrics
-        self.backoff, self.tries = backoff, tries
+        self.fanout, self.replies, self.metrics, self.tries = fanout, replies, metrics, tries
 
     async def run_all(self, entries: list[Ref | Ignored], delivery: Delivery) -> list[str]:
         """Run the message's jobs in turn; the reasons of those rejected for good."""
@@ -78,33 +83,78 @@ class Dispatch:
         self,
         message: dict[str, Any],
         entries: list[Ref | Ignored],
-        receive_count: int,
+        receive: Receive,
         exc: BaseException,
-    ) -> None:
-        """A failed receive: back off; on a shard's last try, fail the shard for good (its job
-        goes on). A job message backs off on its last try too: the receive after it (past the
-        tries, the redrive allows 3 more) repairs a split job, or gives the job its last look
-        and then dead-letters it (``Consumer``): moved by the worker, not left to the redrive,
-        since the count includes failed receives carried over from before a release. A merge is
-        never given up by the worker: it is a function of outcomes that exist, and the job cannot
-        end without it; it backs off until it succeeds or SQS's redrive moves it (a job message
-        re-sent then repairs the job)."""
-        delay = self.backoff.delay(receive_count)
+    ) -> Failed:
+        """A failed receive: a failure of the work counts (:meth:`_counted`); a store or queue
+        fault gives the message back without spending a try (:meth:`_outage`)."""
+        failed = Failed(classify(exc), describe(exc))
         refs = [e for e in entries if not isinstance(e, Ignored)]
-        shards = bool(refs) and all(isinstance(e, ShardRef) for e in refs)
-        last = goes_to_dlq(receive_count, self.tries) and shards
-        why = f"{type(exc).__name__}: {exc}"
+        if failed.fault.counts:
+            await self._counted(message, refs, receive, failed.error)
+        else:
+            await self._outage(message, refs, receive, failed)
+        return failed
+
+    async def _counted(
+        self, message: dict[str, Any], refs: list[Ref], receive: Receive, why: str
+    ) -> None:
+        """Back off; on a shard's last try, fail the shard for good (its job goes on). A job
+        message backs off on its last try too: the receive after it (past the tries, the redrive
+        allows 3 more) repairs a split job, or gives the job its last look and then dead-letters
+        it (``Handler``): moved by the worker, not left to the redrive, since the count includes
+        failed receives carried over from before a release. A merge is never given up by the
+        worker: it is a function of outcomes that exist, and the job cannot end without it; it
+        backs off until it succeeds or SQS's redrive moves it (a job message re-sent then repairs
+        the job)."""
+        delay = self.tries.retry_delay(receive)
+        last = self.tries.last(receive.count) and _shards(refs)
         self.metrics.jobs.labels("failed").inc()
         log.error("job.failed", error=why, retry_in_s=delay, last_try=last)
-        if not last:
-            await self.replies.back_off(message, delay)
-            return
-        out = Delivery(message.get("MessageId"), self.tries + 1, reason=why)
-        try:
-            for ref in refs:
-                await self.fanout.run(ref, out)
-        except Exception as again:  # the next receive, past the tries, fails it then
-            log.error("shard.give_up_failed", error=f"{type(again).__name__}: {again}")
+        if not last or not await self._give_up(refs, why):
             await self.replies.back_off(message, delay)
             return
         await self.replies.delete(message)
+
+    async def _outage(
+        self, message: dict[str, Any], refs: list[Ref], receive: Receive, failed: Failed
+    ) -> None:
+        """Give the message back, after the backoff of its outages, as a new message that carries
+        its count (:meth:`worker.tries.Tries.carried`): SQS's redrive never sees an outage. Past
+        ``ARBITER_MAX_OUTAGE_S`` of nothing but outages, the message is given up instead (a shard
+        failed, a job or merge dead-lettered), before SQS's retention would drop it silently."""
+        self.metrics.outage_retries.labels(failed.fault.value).inc()
+        if self.tries.outage_over(receive):
+            why = f"{failed.fault.value} unavailable for {self.tries.max_outage_s:g} s: {failed.error}"
+            log.error("message.outage_too_long", fault=failed.fault.value, error=failed.error)
+            if not _shards(refs):
+                await self.replies.dead_letter(message, "outage")
+                return
+            if await self._give_up(refs, why):
+                await self.replies.delete(message)
+                return
+        delay = self.tries.outage_delay(receive)
+        log.warning(
+            "message.outage",
+            fault=failed.fault.value,
+            error=failed.error,
+            retry_in_s=delay,
+            outages=receive.outages + 1,
+        )
+        await self.replies.release(message, self.tries.carried(receive, outage=True), delay)
+
+    async def _give_up(self, refs: list[Ref], why: str) -> bool:
+        """Fail the message's shards for good; whether that was written (if not, the next
+        receive, past the tries, fails them then)."""
+        out = Delivery(None, self.tries.limit + 1, reason=why)
+        try:
+            for ref in refs:
+                await self.fanout.run(ref, out)
+        except Exception as again:
+            log.error("shard.give_up_failed", error=describe(again))
+            return False
+        return True
+
+
+def _shards(refs: list[Ref]) -> bool:
+    return bool(refs) and all(isinstance(e, ShardRef) for e in refs)

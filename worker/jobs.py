@@ -266,9 +266,12 @@ async def locate(s3: Any, ref: JobRef, settings: WorkerSettings) -> Located | Jo
     was overwritten since (superseded) or this version's summary exists (duplicate). Raises
     :class:`JobRejected` when the input is gone."""
     where = f"s3://{ref.bucket}/{ref.key}"
+    # The current version, checked against the event's ETag (and read with If-Match on it), never
+    # a read by VersionId: that needs s3:GetObjectVersion, which the worker's role has not got (on
+    # AWS every job of a versioned bucket was dead-lettered), and it would run an overwritten
+    # version that an unversioned bucket calls superseded. The job is (key, ETag) throughout: its
+    # outputs and its folder are named by the ETag.
     head_kw: dict[str, Any] = {"Bucket": ref.bucket, "Key": ref.key}
-    if ref.version_id:
-        head_kw["VersionId"] = ref.version_id
     try:
         head = await s3.head_object(**head_kw)
     except ClientError as exc:

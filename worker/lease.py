@@ -5,6 +5,9 @@ the job must stop, when SQS refuses an extension (the message was deleted, or it
 stale because another worker received it), when renewals keep failing until the visibility runs
 out, or when the next extension would cross SQS's 12-hour limit counted from the receive. In each
 case SQS will show the message to another worker, so going on would process the job twice.
+
+Only the 12-hour limit is the job's own fault (it is too large for one message) and counts as a try;
+a lease lost to SQS (a refused or failing extension) is the queue's (:mod:`worker.faults`).
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 from botocore.exceptions import ClientError
 
+from worker.faults import Fault
 from worker.metrics import WorkerMetrics
 from worker.policies import SQS_MAX_VISIBILITY_S, lease_extension
 from worker.settings import WorkerSettings
@@ -36,6 +41,15 @@ async def stop_together(keeper: asyncio.Task[Any], work: asyncio.Task[Any]) -> N
 
 # Answers that mean the message is no longer ours to extend (not throttling or a server error).
 _REFUSED = {"ReceiptHandleIsInvalid", "InvalidParameterValue", "MessageNotInflight"}
+
+
+@dataclass(frozen=True)
+class LeaseLost:
+    """Why a lease was lost, and whose fault that is."""
+
+    reason: str
+    fault: Fault
+    gone: bool = False  # SQS says the message is no longer this worker's (deleted, received again)
 
 
 class Lease:
@@ -60,7 +74,7 @@ class Lease:
         self.limit_s = limit_s
         self.until = received_at + settings.visibility_timeout_s
 
-    async def keep(self) -> str:
+    async def keep(self) -> LeaseLost:
         """Renew until cancelled; returns only when the lease is lost, saying why."""
         interval = self.settings.heartbeat_interval_s
         while True:
@@ -70,9 +84,10 @@ class Lease:
                 now - self.received_at, self.settings.visibility_timeout_s, interval, self.limit_s
             )
             if seconds is None:
-                return (
+                return LeaseLost(
                     f"the job reached SQS's {self.limit_s / 3600:g} h visibility limit; split it "
-                    "into smaller jobs"
+                    "into smaller jobs",
+                    Fault.WORK,
                 )
             try:
                 await self.sqs.change_message_visibility(
@@ -81,7 +96,8 @@ class Lease:
             except ClientError as exc:
                 code = exc.response.get("Error", {}).get("Code", "")
                 if code in _REFUSED:
-                    return f"SQS refused to extend the message's visibility ({code})"
+                    reason = f"SQS refused to extend the message's visibility ({code})"
+                    return LeaseLost(reason, Fault.QUEUE, gone=True)
                 error = str(exc)
             except Exception as exc:  # a network blip: the next beat may succeed
                 error = f"{type(exc).__name__}: {exc}"
@@ -92,4 +108,5 @@ class Lease:
                 continue
             log.warning("visibility.extend_failed", error=error)
             if time.monotonic() + interval >= self.until:
-                return f"the message's visibility ran out while renewals failed ({error})"
+                reason = f"the message's visibility ran out while renewals failed ({error})"
+                return LeaseLost(reason, Fault.QUEUE)

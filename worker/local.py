@@ -53,6 +53,11 @@ async def _provision(settings: WorkerSettings) -> dict[str, str]:
 
 def run_local(args: argparse.Namespace) -> int:
     base = WorkerSettings()
+    if not (args.no_serve and args.no_work):  # a missing model refused before anything starts
+        from arbiter.engine import check_files
+        from arbiter.settings import engine_from_environment
+
+        check_files(engine_from_environment())
     server = None
     endpoint = base.aws_endpoint_url
     if not endpoint:

@@ -21,7 +21,8 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.jobs = Counter(
             "arbiter_worker_jobs_total",
-            "Jobs by outcome (ok, failed, rejected, duplicate, superseded, ignored, unreadable; "
+            "Jobs by outcome (ok, failed, rejected, duplicate, superseded, ignored, unreadable, "
+            "lease_lost: stopped as its message's visibility could not be kept; "
             "split: cut into shards, repaired: a split job's message back, its unfinished shards "
             "sent again, merged: a split job's results and summary written).",
             ["outcome"],
@@ -82,6 +83,28 @@ class WorkerMetrics:
             "arbiter_worker_merge_seconds",
             "Wall time of a merge, from its message's receive to the summary written.",
             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=registry,
+        )
+        self.circuit_open = Gauge(
+            "arbiter_worker_circuit_open",
+            "1 while a worker's circuit breaker for the dependency (store: S3, queue: SQS) is "
+            "open: it takes no message until the dependency answers again (the largest over "
+            "live worker processes).",
+            ["dependency"],
+            multiprocess_mode="livemax",
+            registry=registry,
+        )
+        self.circuit_opens = Counter(
+            "arbiter_worker_circuit_opens_total",
+            "Times a worker's circuit breaker opened (its dependency stopped answering).",
+            ["dependency"],
+            registry=registry,
+        )
+        self.outage_retries = Counter(
+            "arbiter_worker_outage_retries_total",
+            "Receives that failed on a store or queue fault (5xx, throttling, timeouts, "
+            "connection errors, 409, denied): given back with backoff, not counted as a try.",
+            ["dependency"],
             registry=registry,
         )
         self.restarts = Counter(

@@ -45,22 +45,6 @@ class DrainDeadline:
         return max(0.0, self.started_at + self.deadline_s - now)
 
 
-REDRIVE_MARGIN = 3  # receives the queue's redrive allows beyond the worker's own tries
-
-
-def worker_tries(own: int, redrive: int | None) -> int:
-    """The receives the worker allows a message: its own limit, lowered if the queue's redrive
-    policy would move a message before the worker saw the receive after its last try."""
-    if redrive is None:
-        return own
-    return max(1, min(own, redrive - REDRIVE_MARGIN))
-
-
-def goes_to_dlq(receive_count: int, tries: int | None) -> bool:
-    """True if this failed receive was the worker's last try of the message."""
-    return tries is not None and receive_count >= tries
-
-
 SQS_MAX_VISIBILITY_S = 43_200  # SQS never keeps a message invisible past 12 h from its receive
 
 

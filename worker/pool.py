@@ -77,13 +77,15 @@ def worker_main(settings_data: dict[str, Any], index: int) -> None:
 async def _worker(settings: WorkerSettings) -> None:
     from aiobotocore.session import get_session
 
-    from arbiter.settings import EngineSettings
+    from arbiter.settings import engine_from_environment
     from worker.metrics import WorkerMetrics
     from worker.queue import Consumer, describe_queue
 
     log = structlog.get_logger("arbiter.worker")
     threads = settings.threads_per_process()
-    engine = load_engine_factory(settings.worker_engine_factory)(EngineSettings(n_threads=threads))
+    # The engine's settings as `arbiter serve` reads them (SM_LLAMA_CPP_* too), the threads split.
+    engine_settings = engine_from_environment().model_copy(update={"n_threads": threads})
+    engine = load_engine_factory(settings.worker_engine_factory)(engine_settings)
     log.info("engine.loaded", threads=threads, model=getattr(engine.model_info, "file", None))
     session = get_session()
     async with (

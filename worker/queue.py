@@ -1,19 +1,12 @@
-"""The queue loop of one worker process: receive, keep the lease, ack, back off or dead-letter.
+"""The queue loop of one worker process: receive one message at a time, hand it to its
+:class:`~worker.handling.Handler`, and stop taking messages while the store or the queue is down.
 
-A message is deleted only after every job it announces has its results and summary written (or is
-found already done, superseded, or ignorable; a shard or merge message: its step done). A failed
-message is made visible again after a delay that grows with its count of failed receives; once the
-worker's own tries are spent (:mod:`worker.replies`), it moves a job or merge message to the
-dead-letter queue and fails a shard for good (its job still finishes). A job no retry can fix (its
-input is gone) and a body that is no job at all go there at their first receive.
-
-While a job runs, its :class:`~worker.lease.Lease` keeps the message invisible, so a slow job is
-never handed to a second worker; when the lease cannot be kept (12-hour limit, extension refused),
-the job is stopped. A worker that dies stops renewing, and the message returns after the timeout.
-
-A message given back unfinished on purpose (the drain deadline of a deploy) is sent again as a new
-message that carries its count of failed receives in a message attribute, so a release never
-counts as a failure: a healthy long job survives any number of deploys.
+Each dependency has a circuit breaker (:mod:`worker.breaker`): a receive that failed on a store
+fault opens the store's, a failed ``ReceiveMessage`` the queue's, and nothing is received until the
+dependency answers again, so an outage of any length holds no message and burns no try. A message
+given back unfinished on purpose (the drain deadline of a deploy, an outage) is sent again as a new
+message that carries its count of failed receives (:mod:`worker.tries`), so it is never counted as a
+failure: a healthy long job survives any number of deploys and outages.
 
 What a job, shard or merge message asks for is done by :class:`worker.fanout.FanOut`: small jobs
 run whole, large ones are split into shards that any worker scores and any worker merges.
@@ -30,30 +23,26 @@ from typing import Any
 import structlog
 
 from arbiter.scorer import Scorer
+from worker.breaker import CircuitBreaker
 from worker.dispatch import Dispatch
-from worker.events import (
-    UnreadableMessage,
-    parse_message,
-)
-from worker.fanout import Delivery, FanOut
-from worker.jobs import JobFailed, OutOfTries, thread_runner
-from worker.lease import Lease, stop_together
+from worker.fanout import FanOut
+from worker.faults import Fault, describe
+from worker.handling import Handler
+from worker.jobs import thread_runner
 from worker.metrics import WorkerMetrics
-from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline, ExponentialBackoff
-from worker.replies import (
-    FAILED_RECEIVES,
-    LAST_LOOK,
-    QueueInfo,
-    Replies,
-    describe_queue,
-    last_look,
-    receive_count,
-)
+from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline
+from worker.replies import QueueInfo, Replies, describe_queue
 from worker.settings import WorkerSettings
+from worker.tries import ATTRIBUTES, Receive
 
 log = structlog.get_logger("arbiter.worker")
 
 __all__ = ["Consumer", "QueueInfo", "describe_queue", "receive_count"]
+
+
+def receive_count(message: dict[str, Any]) -> int:
+    """This receive's number among the message's tries (:class:`worker.tries.Receive`)."""
+    return Receive.of(message).count
 
 
 class Consumer:
@@ -72,7 +61,6 @@ class Consumer:
         engine: Scorer,
         queue: QueueInfo,
         metrics: WorkerMetrics | None = None,
-        backoff: ExponentialBackoff | None = None,
         visibility_limit_s: float = SQS_MAX_VISIBILITY_S,
     ) -> None:
         self.settings = settings
@@ -81,20 +69,15 @@ class Consumer:
         self.engine = engine
         self.queue = queue
         self.metrics = metrics or WorkerMetrics(registry=None)
-        self.backoff = backoff or ExponentialBackoff(
-            settings.backoff_base_s, settings.backoff_max_s
-        )
-        self.visibility_limit_s = visibility_limit_s
         self.drain = DrainDeadline(settings.drain_deadline_s)
         self._stop = asyncio.Event()
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="arbiter-engine")
-        self._run_engine = thread_runner(self._engine_thread)
         self.tries = queue.tries(settings)
-        if self.tries < settings.max_receive_count:
+        if self.tries.too_tight:
             log.warning(
                 "queue.redrive_too_tight",
                 redrive_max_receive_count=queue.max_receive_count,
-                worker_tries=self.tries,
+                worker_tries=self.tries.limit,
                 hint="set the queue's maxReceiveCount to ARBITER_MAX_RECEIVE_COUNT + 3, so the "
                 "worker sees the receive after a message's last try",
             )
@@ -108,9 +91,30 @@ class Consumer:
             self.tries,
             queue.dlq_url,
             self.metrics,
-            self._run_engine,
+            thread_runner(self._engine_thread),
         )
-        self.dispatch = Dispatch(self.fanout, self.replies, self.metrics, self.backoff, self.tries)
+        self.dispatch = Dispatch(self.fanout, self.replies, self.metrics, self.tries)
+        self.handler = Handler(
+            settings,
+            sqs,
+            queue,
+            self.tries,
+            self.dispatch,
+            self.replies,
+            self.metrics,
+            visibility_limit_s,
+        )
+        base, most = settings.circuit_probe_s, settings.circuit_probe_max_s
+        self.store = CircuitBreaker(
+            "store", self.metrics, self._probe_store, base, most, probe_first=True
+        )
+        self.queue_breaker = CircuitBreaker("queue", self.metrics, None, base, most)
+
+    async def _probe_store(self) -> None:
+        """One cheap request the worker's role may make: a listing of the shard prefix."""
+        await self.s3.list_objects_v2(
+            Bucket=self.settings.bucket, Prefix=self.settings.shard_prefix, MaxKeys=1
+        )
 
     def stop(self) -> None:
         """Stop receiving; the job in hand may finish until the drain deadline."""
@@ -129,6 +133,11 @@ class Consumer:
 
     async def _loop(self) -> None:
         while not self._stop.is_set():
+            # Nothing is taken while the store or the queue is down (see the module doc).
+            if not await self.store.wait(self._stop) or not await self.queue_breaker.wait(
+                self._stop
+            ):
+                return
             received_at = time.monotonic()  # SQS's 12 h count starts at the receive request
             receive = asyncio.create_task(self._receive())
             stopped = asyncio.create_task(self._stop.wait())
@@ -152,11 +161,10 @@ class Consumer:
             stopped.cancel()
             try:
                 messages = receive.result()
-            except Exception as exc:  # SQS unreachable for a moment: retry, do not die
-                log.error("queue.receive_failed", error=f"{type(exc).__name__}: {exc}")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), timeout=1.0)
+            except Exception as exc:  # SQS unreachable: wait for it, do not die
+                self.queue_breaker.trip(describe(exc))
                 continue
+            self.queue_breaker.closed()
             for message in messages:
                 task = asyncio.create_task(self.handle(message, received_at))
                 await self._drain_or_finish(task, message)
@@ -176,7 +184,7 @@ class Consumer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await self.replies.release(message)
+            await self.replies.release(message, self.tries.carried(Receive.of(message)))
             return
         try:
             await task
@@ -187,18 +195,6 @@ class Consumer:
         except Exception:  # acking failed: the message returns after its timeout; keep going
             log.exception("message.handling_failed")
 
-    async def _out_of_tries(self, message: dict[str, Any], error: OutOfTries) -> None:
-        """A job message past its tries, its job neither finished nor split: one last look after
-        two visibility timeouts (a slow holder the message was shown again behind may yet finish
-        or split it), then the dead-letter queue."""
-        if last_look(message):
-            log.error("job.out_of_tries", tries=self.tries, reason=str(error))
-            await self.replies.dead_letter(message, "max_receives")
-            return
-        delay = 2 * self.settings.visibility_timeout_s
-        log.warning("job.last_look", tries=self.tries, retry_in_s=delay)
-        await self.replies.release(message, delay_s=delay, last_look=True)
-
     async def _receive(self) -> list[dict[str, Any]]:
         response = await self.sqs.receive_message(
             QueueUrl=self.queue.url,
@@ -206,7 +202,7 @@ class Consumer:
             WaitTimeSeconds=self.settings.wait_time_s,
             VisibilityTimeout=self.settings.visibility_timeout_s,
             MessageSystemAttributeNames=["ApproximateReceiveCount", "SentTimestamp"],
-            MessageAttributeNames=[FAILED_RECEIVES, LAST_LOOK],
+            MessageAttributeNames=ATTRIBUTES,
         )
         messages: list[dict[str, Any]] = response.get("Messages", [])
         now_ms = time.time() * 1000
@@ -217,50 +213,13 @@ class Consumer:
         return messages
 
     async def handle(self, message: dict[str, Any], received_at: float | None = None) -> None:
-        """Run every job the message announces, then delete it; on failure, back off."""
+        """Handle one message (:class:`~worker.handling.Handler`); a store or queue fault opens
+        that dependency's circuit breaker."""
         received_at = time.monotonic() if received_at is None else received_at
-        count = receive_count(message)
-        bound = structlog.contextvars.bound_contextvars(
-            message_id=message.get("MessageId"), receive_count=count
-        )
-        with bound:
-            try:
-                entries = parse_message(
-                    message["Body"],
-                    bucket=self.settings.bucket,
-                    input_prefix=self.settings.input_prefix,
-                )
-            except UnreadableMessage as exc:
-                log.error("message.unreadable", reason=str(exc))
-                self.metrics.jobs.labels("unreadable").inc()
-                await self.replies.dead_letter(message, "unreadable")
-                return
-            lease = Lease(
-                self.sqs,
-                self.queue.url,
-                message,
-                self.settings,
-                self.metrics,
-                received_at,
-                self.visibility_limit_s,
-            )
-            keeper = asyncio.create_task(lease.keep())
-            delivery = Delivery(message.get("MessageId"), count)
-            work = asyncio.create_task(self.dispatch.run_all(entries, delivery))
-            try:
-                await asyncio.wait({keeper, work}, return_when=asyncio.FIRST_COMPLETED)
-            finally:  # whichever ends first stops the other (and a cancelled handle stops both)
-                await stop_together(keeper, work)
-            if work.cancelled():
-                lost = keeper.exception()
-                reason = keeper.result() if lost is None else f"the heartbeat failed: {lost!r}"
-                log.error("job.lease_lost", reason=reason)
-                await self.dispatch.fail(message, entries, count, JobFailed(reason))
-            elif isinstance(error := work.exception(), OutOfTries):
-                await self._out_of_tries(message, error)
-            elif error is not None:
-                await self.dispatch.fail(message, entries, count, error)
-            elif work.result():
-                await self.replies.dead_letter(message, "permanent")
-            else:
-                await self.replies.delete(message)
+        failed = await self.handler.handle(message, received_at)
+        if failed is None or failed.fault is Fault.WORK:
+            if failed is None:
+                self.store.succeeded()
+            return
+        breaker = self.store if failed.fault is Fault.STORE else self.queue_breaker
+        breaker.trip(failed.error)

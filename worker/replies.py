@@ -1,15 +1,6 @@
 """The queue as one worker sees it, and what it answers SQS about a received message: delete it,
-back it off, give it back, or dead-letter it.
-
-**Tries.** The worker allows a message ``ARBITER_MAX_RECEIVE_COUNT`` receives (its *tries*); the
-queue's redrive policy allows :data:`~worker.policies.REDRIVE_MARGIN` more, so the worker always sees
-the receive after a message's last try, even when that try died with its worker (SIGKILL, OOM, an
-abort in llama.cpp, a stopped task): a shard is then failed without running so its job still
-finishes; a job message gets one last look after a delay (a receive count can also grow because
-SQS showed the message again while a slow holder still worked on it: that holder may yet finish)
-and is dead-lettered if its job has neither a summary nor a manifest by then. Only a message that
-outlives even the margin (every receive failing before the worker can answer it) is moved by SQS's
-redrive.
+back it off, give it back, or dead-letter it. Which of these a failed receive gets is the tries'
+(:mod:`worker.tries`) and the fault's (:mod:`worker.faults`) to say.
 """
 
 from __future__ import annotations
@@ -23,28 +14,11 @@ from typing import Any
 import structlog
 
 from worker.metrics import WorkerMetrics
-from worker.policies import worker_tries
+from worker.policies import ExponentialBackoff
 from worker.settings import WorkerSettings
+from worker.tries import SQS_MAX_DELAY_S, Tries
 
 log = structlog.get_logger("arbiter.worker")
-
-FAILED_RECEIVES = "ArbiterFailedReceives"  # message attribute: failed receives before a release
-LAST_LOOK = "ArbiterLastLook"  # message attribute: a job out of tries, given one more look
-
-
-def last_look(message: dict[str, Any]) -> bool:
-    """Whether this is a job's last look (see the module doc)."""
-    return LAST_LOOK in message.get("MessageAttributes", {})
-
-
-def receive_count(message: dict[str, Any]) -> int:
-    """This receive's number among the message's tries: SQS's ``ApproximateReceiveCount`` plus the
-    failed receives it carried over from before a release."""
-    count = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
-    carried = message.get("MessageAttributes", {}).get(FAILED_RECEIVES, {}).get("StringValue")
-    with contextlib.suppress(TypeError, ValueError):
-        count += max(0, int(carried))
-    return count
 
 
 @dataclass(frozen=True)
@@ -55,9 +29,14 @@ class QueueInfo:
     max_receive_count: int | None
     dlq_url: str | None
 
-    def tries(self, settings: WorkerSettings) -> int:
-        """The worker's own tries on this queue (see the module doc)."""
-        return worker_tries(settings.max_receive_count, self.max_receive_count)
+    def tries(self, settings: WorkerSettings) -> Tries:
+        """The worker's tries on this queue (:mod:`worker.tries`)."""
+        return Tries(
+            settings.max_receive_count,
+            self.max_receive_count,
+            ExponentialBackoff(settings.backoff_base_s, settings.backoff_max_s),
+            settings.max_outage_s,
+        )
 
 
 async def describe_queue(sqs: Any, settings: WorkerSettings) -> QueueInfo:
@@ -99,32 +78,29 @@ class Replies:
             log.warning("visibility.change_failed", error=str(exc))
 
     async def release(
-        self, message: dict[str, Any], delay_s: int = 0, last_look: bool = False
-    ) -> None:
-        """Give the message back (a drain deadline passed: at once; a job out of tries: after
-        ``delay_s``, marked for its last look), for another worker: sent again as a new message
-        carrying its failed receives, then deleted, so the release is not counted as a receive
-        that failed. If the copy cannot be sent, it is made visible instead (after the delay)."""
-        failed = receive_count(message) - 1
-        attributes = {FAILED_RECEIVES: {"DataType": "Number", "StringValue": str(failed)}}
-        if last_look:
-            attributes[LAST_LOOK] = {"DataType": "String", "StringValue": "1"}
+        self, message: dict[str, Any], attributes: dict[str, Any], delay_s: int = 0
+    ) -> bool:
+        """Give the message back, for another worker, after ``delay_s``: sent again as a new
+        message with ``attributes`` (what the tries carry over, :meth:`worker.tries.Tries.carried`),
+        then deleted, so the receive is not counted. If the copy cannot be sent, the message is
+        made visible after the delay instead (that receive then counts); whether the copy went."""
         try:
             await asyncio.shield(
                 self.sqs.send_message(
                     QueueUrl=self.queue.url,
                     MessageBody=message["Body"],
-                    DelaySeconds=min(900, delay_s),
+                    DelaySeconds=min(SQS_MAX_DELAY_S, delay_s),
                     MessageAttributes=attributes,
                 )
             )
         except Exception as exc:
             log.warning("release.resend_failed", error=f"{type(exc).__name__}: {exc}")
             await self.back_off(message, delay_s)
-        else:
-            with contextlib.suppress(Exception):  # a copy left over is a harmless duplicate
-                await self.delete(message)
-        log.info("job.released")
+            return False
+        with contextlib.suppress(Exception):  # a copy left over is a harmless duplicate
+            await self.delete(message)
+        log.info("job.released", retry_in_s=delay_s)
+        return True
 
     async def dead_letter(self, message: dict[str, Any], reason: str) -> None:
         """To the DLQ at once when there is one (then deleted): a message no retry can fix, or

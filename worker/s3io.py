@@ -11,7 +11,10 @@ before the listing started is in it.
 **Conditional writes.** ``If-None-Match: *`` creates an object only if there is none
 (:func:`put_new`); a 412 is :class:`PreconditionFailed`. A write whose answer was lost is sent again
 by botocore and then meets its own first copy: callers decide from what they find whether it is
-theirs (an equal object, or one that names their own attempt), never from the 412 alone.
+theirs (an equal object, or one that names their own attempt), never from the 412 alone. A 409
+``ConditionalRequestConflict`` (a conditional write to the key was in progress at once, and this
+one was not applied) is neither: :class:`WriteConflict`, retried where a 412 is retried (a
+compare-and-swap reads again, a create-once write is sent again), and otherwise a store fault.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 from typing import IO, Any
 
 import structlog
 from botocore.exceptions import ClientError
 
 from arbiter.settings import MB as MiB
+from worker.faults import Transient
 from worker.settings import WorkerSettings
 
 log = structlog.get_logger("arbiter.worker")
@@ -36,6 +41,19 @@ _DENIED = {"403", "AccessDenied", "Forbidden"}
 
 class PreconditionFailed(Exception):
     """A conditional write lost: the object exists (If-None-Match) or changed (If-Match)."""
+
+
+class WriteConflict(Transient):
+    """S3's 409 ``ConditionalRequestConflict``: another conditional write to the key was in flight;
+    this one was not applied and may be sent again."""
+
+
+CONFLICT_TRIES = 8  # create-once writes sent again after a 409, with a short random pause
+
+
+def is_conflict(exc: ClientError) -> bool:
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return _code(exc) == "ConditionalRequestConflict" or status == 409
 
 
 def _code(exc: ClientError) -> str:
@@ -106,18 +124,28 @@ async def put_json(s3: Any, bucket: str, key: str, doc: Any, **condition: str) -
     except ClientError as exc:
         if is_precondition_failed(exc) or (condition.get("IfMatch") and is_missing(exc)):
             raise PreconditionFailed(key) from exc
+        if condition and is_conflict(exc):
+            raise WriteConflict(f"a concurrent conditional write to {key}") from exc
         raise
     return str(put["ETag"])
 
 
 async def put_new(s3: Any, bucket: str, key: str, doc: Any) -> bool:
     """Create a JSON object unless ``key`` exists; True if this call (or its resend) created it,
-    False if one was there: the caller reads it to tell whose it is."""
-    try:
-        await put_json(s3, bucket, key, doc, IfNoneMatch="*")
-    except PreconditionFailed:
-        return False
-    return True
+    False if one was there: the caller reads it to tell whose it is. A 409 (a concurrent write
+    whose outcome is not known yet) sends it again."""
+    for attempt in range(CONFLICT_TRIES):
+        try:
+            await put_json(s3, bucket, key, doc, IfNoneMatch="*")
+        except PreconditionFailed:
+            return False
+        except WriteConflict:
+            if attempt == CONFLICT_TRIES - 1:
+                raise
+            await asyncio.sleep(random.uniform(0.01, 0.1) * 2**attempt)
+            continue
+        return True
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 async def delete_quietly(s3: Any, bucket: str, key: str) -> None:

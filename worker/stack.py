@@ -8,15 +8,15 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
-from worker.policies import REDRIVE_MARGIN
 from worker.settings import WorkerSettings
+from worker.tries import REDRIVE_MARGIN
 
 
 async def ensure_stack(s3: Any, sqs: Any, settings: WorkerSettings) -> dict[str, str]:
     """Create (idempotently) the bucket, the dead-letter queue, the job queue with a redrive
     policy to it, and the S3 -> SQS notification for objects created under the input prefix.
     The redrive allows REDRIVE_MARGIN receives more than the worker's own tries
-    (:mod:`worker.replies`)."""
+    (:mod:`worker.tries`)."""
     try:
         await s3.create_bucket(Bucket=settings.bucket)
     except ClientError as exc:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from arbiter import prompt as prompts
-from arbiter.engine import ordering
+from arbiter.engine import ordering, read_check
 from arbiter.engine.budget import Budget
 from arbiter.engine.calibration import Calibration
 from arbiter.engine.cost import CostFloor
@@ -46,7 +46,7 @@ from arbiter.models import ResolvedModel, resolve_model, verify
 from arbiter.profiles import resolve_profile
 from arbiter.schema import AdapterInfo, DecisionRequest, ModelInfo
 from arbiter.scorer import Outcome
-from arbiter.settings import EngineSettings
+from arbiter.settings import EngineSettings, engine_from_environment
 
 __all__ = [
     "Budget",
@@ -56,6 +56,7 @@ __all__ = [
     "Outcome",
     "SamplingParams",
     "TokenLogprob",
+    "check_files",
     "open_engine",
 ]
 
@@ -68,6 +69,7 @@ class Engine:
         self.sha256 = verify(self.resolved)
         # Checked against the model's tensors before llama.cpp loads anything.
         self.adapters = resolve_adapters(settings.lora, self.resolved, settings.model_dir)
+        self.profile = resolve_profile(settings.prompt_profile, self.resolved)  # a bad one: at once
         # Serializes everything that uses the context; tokenizing runs outside it (chat prompts
         # are tokenized in their admission slot) under the model's own lock.
         self._lock = threading.Lock()
@@ -77,7 +79,6 @@ class Engine:
             self.bos_text = llama.piece_text(llama.bos)  # "" for a model without one
             self.eos_text = llama.piece_text(llama.eos)
             self.chat_template = llama.chat_template
-            self.profile = resolve_profile(settings.prompt_profile, self.resolved)
             self.prompts = open_prompts(llama, settings, self.profile)
             self.labels = self.prompts.labels
             llama.open_context(settings, context_sequences(settings, self.labels))
@@ -107,6 +108,18 @@ class Engine:
             self.model_info,
             self.cost,
         )
+        try:  # the probes read where every decision is read, through the same path
+            self.read_check = read_check.run(
+                self.resolved.path.name,
+                self.score,
+                self.labels.max_options,
+                settings.read_check,
+                settings.read_check_min_mass,
+            )
+        except BaseException:
+            self.llama.close()
+            raise
+        self.cache.clear()  # the probes' state is nobody's
 
     @property
     def n_ctx(self) -> int:
@@ -292,12 +305,24 @@ class Engine:
             Grammar(vocab, text, param=param).close()
 
 
+def check_files(settings: EngineSettings) -> ResolvedModel:
+    """What loading an engine of ``settings`` would refuse about its files (the model, its
+    adapters, its prompt profile, its calibration), found without llama.cpp: a server checks
+    before it binds its port, a pool before it spawns its workers."""
+    resolved = resolve_model(settings.model, settings.model_dir)
+    resolve_adapters(settings.lora, resolved, settings.model_dir)
+    resolve_profile(settings.prompt_profile, resolved)
+    if settings.calibration is not None:
+        Calibration.load(settings.calibration)
+    return resolved
+
+
 def open_engine(
     settings: EngineSettings | None = None, model: Path | None = None, profile: str | None = None
 ) -> Engine:
-    """Build an engine from the environment (or the given settings), optionally forcing a model
-    or a prompt profile."""
-    settings = settings or EngineSettings()
+    """Build an engine from the environment as ``arbiter serve`` reads it (``SM_LLAMA_CPP_*``
+    below ``ARBITER_*``), or from the given settings, optionally forcing a model or a profile."""
+    settings = settings or engine_from_environment()
     if model is not None:
         settings = settings.model_copy(update={"model": model})
     if profile is not None:

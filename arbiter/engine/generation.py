@@ -161,12 +161,16 @@ def _piece(llama: Llama, pieces: dict[int, bytes], token: int) -> bytes:
 
 
 def _cut(choice: _Choice, cut: int) -> None:
-    """End the text at a stop string; tokens after the cut go, one across it keeps its part."""
+    """End the text at a stop string; tokens after the cut go, one across it keeps its part, and
+    its ``bytes`` are cut with it, so the kept tokens' bytes join to the content's bytes."""
     choice.text = choice.text[:cut]
     choice.cut = True
     kept = [lp for lp in choice.logprobs if lp.start < cut]
     for lp in kept:
         lp.token = lp.token[: max(0, cut - lp.start)]
+    if kept and kept[-1].start + len(kept[-1].token) == cut:
+        before = sum(len(lp.bytes) for lp in kept[:-1])
+        kept[-1].bytes = choice.text.encode("utf-8", "surrogatepass")[before:]
     choice.logprobs = kept
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from llama_cpp import llama_grammar
 
+from arbiter.engine import int_range
 from arbiter.engine.json_schema import check_schema, normalized
 from arbiter.engine.patterns import pattern_gbnf
 from arbiter.errors import UnsupportedParameter
@@ -44,6 +45,17 @@ class _Converter(llama_grammar.SchemaConverter):
         """A string of the pattern's whole matches, each character as JSON writes it."""
         add_rule: Any = self._add_rule  # llama_grammar is untyped
         return str(add_rule(name, '"\\"" ' + pattern_gbnf(pattern) + ' "\\"" space'))
+
+    def visit(self, schema: Any, name: str) -> Any:
+        """An integer with bounds as the integers in range (the converter drops the bounds)."""
+        if isinstance(schema, dict) and schema.get("type") == "integer":
+            low, high = int_range.bounds(schema)
+            if low is not None or high is not None:
+                rule = f"{name}-" if name in llama_grammar.RESERVED_NAMES else name or "root"
+                add_rule: Any = self._add_rule
+                return add_rule(rule, int_range.gbnf(low, high) + " space")
+        visit: Any = super().visit  # llama_grammar is untyped
+        return visit(schema, name)
 
     def _add_primitive(self, name: str, rule: Any) -> str:
         if name == "char":

@@ -12,7 +12,8 @@ discriminated union (every alternative an object whose required property holds a
 ``const``), ``allOf`` of plain object schemas; objects with ``properties``, ``required`` and
 ``additionalProperties``; arrays with ``items`` and ``minItems``/``maxItems``, or
 ``prefixItems`` (or ``items`` as a list, the older tuple form); strings with ``minLength``/``maxLength``, ``format`` date, time, date-time or
-uuid, or ``pattern`` (the subset ``patterns`` reads); numbers, integers, booleans and null without bounds.
+uuid, or ``pattern`` (the subset ``patterns`` reads); integers with ``minimum``/``maximum`` (and the
+exclusive ones: ``int_range``); numbers, booleans and null without bounds.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from arbiter.engine import int_range
 from arbiter.engine.patterns import PatternError, pattern_gbnf
 from arbiter.errors import UnsupportedParameter
 
@@ -48,6 +50,8 @@ ANY_VALUE: dict[str, Any] = {"type": sorted(TYPES - {"integer"})}  # what ``{}``
 _OBJECT = frozenset({"type", "properties", "required", "additionalProperties"})
 _ARRAY = frozenset({"type", "items", "prefixItems", "minItems", "maxItems", "uniqueItems"})
 _STRING = frozenset({"type", "minLength", "maxLength", "format", "pattern"})
+_INTEGER = frozenset({"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+MAX_BOUND = 1e18  # integer bounds: the grammar has a few alternatives per digit
 
 
 def check_schema(schema: Any, param: str) -> None:
@@ -213,8 +217,22 @@ class _Checker:
             self._string(node, path)
         elif kind is None and keys & _STRING:
             raise self.refuse(path, f"{sorted(keys & _STRING)[0]!r} needs type 'string'")
+        elif kind == "integer":
+            self._only(node, path, _INTEGER)
+            self._integer(node, path)
         else:
             self._only(node, path, {"type"})
+
+    def _integer(self, node: Mapping[str, Any], path: str) -> None:
+        for key in sorted((_INTEGER - {"type"}) & set(node)):
+            value = node[key]
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise self.refuse(f"{path}/{key}", f"{key} must be a number")
+            if not abs(value) <= MAX_BOUND:
+                raise self.refuse(f"{path}/{key}", f"{key} must be within ±{MAX_BOUND:.0e}")
+        low, high = int_range.bounds(dict(node))
+        if low is not None and high is not None and low > high:
+            raise self.refuse(path, f"no integer is at least {low} and at most {high}")
 
     def _object(self, node: Mapping[str, Any], path: str) -> None:
         properties = node.get("properties", {})

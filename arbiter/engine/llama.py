@@ -13,13 +13,15 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import llama_cpp
 import numpy as np
 
 from arbiter.engine import backends
+from arbiter.engine.batch import NumpyBatch
 from arbiter.errors import EngineFailure, InvalidDecision, ModelLoadError
+from arbiter.gguf_info import FILE_TYPES
 from arbiter.settings import EngineSettings
 
 LLAMA_CPP_PYTHON_VERSION: str = getattr(llama_cpp, "__version__", "unknown")
@@ -27,41 +29,6 @@ LLAMA_CPP_PYTHON_VERSION: str = getattr(llama_cpp, "__version__", "unknown")
 LLAMA_CPP_BUILD = {"0.3.36": "ggml-org/llama.cpp@0c1e57098"}.get(
     LLAMA_CPP_PYTHON_VERSION, "unknown"
 )
-_FILE_TYPES = {
-    0: "F32",
-    1: "F16",
-    2: "Q4_0",
-    3: "Q4_1",
-    7: "Q8_0",
-    8: "Q5_0",
-    9: "Q5_1",
-    10: "Q2_K",
-    11: "Q3_K_S",
-    12: "Q3_K_M",
-    13: "Q3_K_L",
-    14: "Q4_K_S",
-    15: "Q4_K_M",
-    16: "Q5_K_S",
-    17: "Q5_K_M",
-    18: "Q6_K",
-    19: "IQ2_XXS",
-    20: "IQ2_XS",
-    21: "Q2_K_S",
-    22: "IQ3_XS",
-    23: "IQ3_XXS",
-    24: "IQ1_S",
-    25: "IQ4_NL",
-    26: "IQ3_S",
-    27: "IQ3_M",
-    28: "IQ2_S",
-    29: "IQ2_M",
-    30: "IQ4_XS",
-    31: "IQ1_M",
-    32: "BF16",
-    36: "TQ1_0",
-    37: "TQ2_0",
-    38: "MXFP4",
-}
 
 # SentencePiece and byte-level BPE: every input byte ends up in some token's piece (no normalizer
 # drops or folds characters), so a token never covers more input bytes than its piece holds.
@@ -70,42 +37,6 @@ _BYTE_PRESERVING = {1, 2}  # LLAMA_VOCAB_TYPE_SPM, LLAMA_VOCAB_TYPE_BPE
 # Called with (position in the decoded stream, index in its slice) for each position whose logits
 # were asked for, right after the slice that computed them, while they are readable.
 OnOutput = Callable[[int, int], None]
-
-
-class NumpyBatch:
-    """Tokens, positions, one sequence id each, and output flags for one ``llama_decode`` call."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._token = np.zeros(capacity, dtype=np.int32)
-        self._pos = np.zeros(capacity, dtype=np.int32)
-        self._n_seq = np.ones(capacity, dtype=np.int32)
-        self._seq = np.zeros(capacity, dtype=np.int32)
-        # seq_id is an array of pointers, one per token, each into self._seq.
-        self._seq_ptrs = (self._seq.ctypes.data + 4 * np.arange(capacity, dtype=np.uint64)).astype(
-            np.uint64
-        )
-        self._logits = np.zeros(capacity, dtype=np.int8)
-        # llama-cpp-python annotates these pointer fields as ctypes arrays: the struct is Any here.
-        self.struct: Any = cast(Any, llama_cpp.llama_batch())
-        self.struct.token = self._token.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token))
-        self.struct.embd = ctypes.POINTER(ctypes.c_float)()
-        self.struct.pos = self._pos.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_pos))
-        self.struct.n_seq_id = self._n_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        self.struct.seq_id = ctypes.cast(
-            self._seq_ptrs.ctypes.data, ctypes.POINTER(ctypes.POINTER(llama_cpp.llama_seq_id))
-        )
-        self.struct.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
-
-    def fill(self, tokens: np.ndarray, pos: np.ndarray, seq: np.ndarray, want: np.ndarray) -> None:
-        n = len(tokens)
-        if n > self.capacity:
-            raise ValueError(f"batch of {n} tokens exceeds capacity {self.capacity}")
-        self._token[:n] = tokens
-        self._pos[:n] = pos
-        self._seq[:n] = seq
-        self._logits[:n] = want
-        self.struct.n_tokens = n
 
 
 @dataclass(frozen=True)
@@ -264,7 +195,7 @@ class Llama:
 
     def quantization(self) -> str:
         file_type = self.meta("general.file_type")
-        return _FILE_TYPES.get(int(file_type), file_type) if file_type.isdigit() else "unknown"
+        return FILE_TYPES.get(int(file_type), file_type) if file_type.isdigit() else "unknown"
 
     def kv_cache_bytes(self) -> int:
         """Size of the f16 K and V caches for the whole context (what the context allocates)."""

@@ -11,14 +11,19 @@ import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
+import jinja2
 import numpy as np
 
 from arbiter import prompt as prompts
 from arbiter.engine.labels import Labels
 from arbiter.engine.llama import Llama
+from arbiter.errors import TemplateRefused
+from arbiter.gguf_info import GGUFError, read_header, token_texts
 from arbiter.profiles import Profile
 from arbiter.schema import DecisionRequest
 from arbiter.settings import EngineSettings
+
+TEMPLATE_KEY = "tokenizer.chat_template"  # where llama.cpp reads a model's chat template
 
 
 def prompt_sha256(text: str) -> str:
@@ -115,6 +120,43 @@ class Prompts:
         return min(shared, min(len(tokens) for tokens in prompt_tokens) - 1)
 
 
+def template_refusal(model: str, exc: Exception) -> str:
+    """One line: the model, the key its template is in, what the renderer said, what to do."""
+    where = f" (line {exc.lineno})" if isinstance(exc, jinja2.TemplateSyntaxError) else ""
+    said = " ".join(str(exc).split()) or type(exc).__name__
+    return (
+        f"refusing to start: {model}'s chat template ({TEMPLATE_KEY}){where} cannot "
+        f"render a decision prompt: {said}. Fix the template in the GGUF (the gguf package's "
+        "gguf-new-metadata --chat-template-file rewrites it)"
+    )
+
+
+def check_template(path: Path, settings: EngineSettings, profile: Profile) -> None:
+    """The model's chat template renders a decision prompt, checked from the GGUF's header alone
+    (no llama.cpp load: milliseconds, where a vocabulary-only load of a 262k-token vocabulary
+    takes seconds): what `arbiter serve` and the container entrypoint check before they listen.
+    ``TemplateRefused`` in one line when it does not; a file that is not a GGUF is left to the
+    engine's load, which says so."""
+    try:
+        header = read_header(path)
+        template = header.strings.get(TEMPLATE_KEY)
+        if not template:
+            return
+        ids = {
+            name: int(header.floats.get(f"tokenizer.ggml.{name}_token_id", -1))
+            for name in ("bos", "eos")
+        }
+        texts = token_texts(path, ids)
+    except (GGUFError, OSError):
+        return
+    try:
+        prompts.chat_layouts(
+            template, texts["bos"], texts["eos"], prompts.prompt_time(settings.prompt_date), profile
+        )
+    except (jinja2.TemplateError, ValueError) as exc:
+        raise TemplateRefused(template_refusal(path.name, exc)) from None
+
+
 def check_prompts(path: Path, settings: EngineSettings, profile: Profile) -> Prompts:
     """The profile's prompts and labels built on the model's vocabulary alone (a start-up check
     that loads no weights); raises what the engine's load would raise."""
@@ -127,16 +169,20 @@ def check_prompts(path: Path, settings: EngineSettings, profile: Profile) -> Pro
 
 def open_prompts(llama: Llama, settings: EngineSettings, profile: Profile) -> Prompts:
     """The decision prompts of a loaded model under ``profile`` (its vocabulary is all this
-    needs); ``LabelVocabularyError`` when the profile's labels do not tokenize soundly."""
+    needs); ``TemplateRefused`` when its chat template cannot render a decision,
+    ``LabelVocabularyError`` when the profile's labels do not tokenize soundly."""
     template = llama.chat_template
     if template:
-        layouts = prompts.chat_layouts(
-            template,
-            llama.piece_text(llama.bos),
-            llama.piece_text(llama.eos),
-            prompts.prompt_time(settings.prompt_date),
-            profile,
-        )
+        try:
+            layouts = prompts.chat_layouts(
+                template,
+                llama.piece_text(llama.bos),
+                llama.piece_text(llama.eos),
+                prompts.prompt_time(settings.prompt_date),
+                profile,
+            )
+        except (jinja2.TemplateError, ValueError) as exc:
+            raise TemplateRefused(template_refusal(llama.path.name, exc)) from None
     else:
         layouts = prompts.plain_layouts(profile)
     return Prompts(llama, layouts, Labels.of(llama, profile.spec.labels))

@@ -69,7 +69,7 @@ class TokenLogprob:
     """One generated token. ``token`` is the text it adds to the content (a character split over
     two tokens appears on the one that completes it; a token cut by a stop string keeps what is
     before the cut), so the tokens of a choice join to its content exactly; ``bytes`` are the
-    token's own."""
+    token's own, cut with it by a stop string, so they too join to the content's bytes."""
 
     token: str
     logprob: float

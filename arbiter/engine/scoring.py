@@ -11,7 +11,7 @@ together, each read at its last token, and the chain rule gives each code's prob
 
 A prompt is always prefilled the same way (the prefix, then the suffix on its own, then for codes the
 code prefixes of that question alone, always the same batch for the same options), so a decision's
-result does not depend on what else is in the request or on the cache (README, Numerics).
+result does not depend on what else is in the request or on the cache (docs/decisions.md, Numerics).
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ class Scoring:
     def _one_pass(self, p: Prepared) -> None:
         """A question alone, its state not cached, prefilled with its state in one decode in
         sequence 0 (``parallel_branches``: ~6% less time on a CPU than the prefix then the suffix,
-        at the price of the batch-shape invariance; README, Numerics)."""
+        at the price of the batch-shape invariance; docs/decisions.md, Numerics)."""
         self._decode_runs([p.tokens], 0, np.zeros(1, dtype=np.int32), lambda _, b: self._read(p, b))
         if p.readout is not None:
             self._decode_codes(p, 0, 1)

@@ -18,6 +18,7 @@ from bench.lora_adapter import write_lora
 from tests.adapter.test_entrypoint import clean_env, run  # noqa: F401  (fixture)
 from tests.arbiter.test_profiles import YES_NO
 from tests.live_server import ready
+from tests.threads import TEST_THREADS
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +99,11 @@ def test_the_preflight_report_pins_the_adapter_and_the_profile(
 def adapted(smollm2: Path, files: dict[str, Path]) -> Iterator[Engine]:
     settings = EngineSettings(
         model=smollm2,
-        n_threads=2,
+        n_threads=TEST_THREADS,
         n_ctx=1024,
         lora=str(files["lora"]),
         prompt_profile=str(files["profile"]),
+        read_check="warn",  # a random adapter and a profile it was not trained on
     )
     eng = Engine(settings)
     yield eng

@@ -120,10 +120,10 @@ async def test_what_cannot_fit_is_refused_before_admission(make: Any) -> None:
         return await client.post(path, data=data, headers={"Content-Type": "application/json"})
 
     chat = {"messages": [{"role": "user", "content": huge}]}
-    error = await error_of(await post("/v1/chat/completions", chat), 422)
+    error = await error_of(await post("/v1/chat/completions", chat), 400)
     assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
     assert "at least" in error["message"]
-    error = await error_of(await post("/v1/completions", {"prompt": huge}), 422)
+    error = await error_of(await post("/v1/completions", {"prompt": huge}), 400)
     assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
     assert "at least" in error["message"]
     single = {"decision": decision_body(state=huge)}

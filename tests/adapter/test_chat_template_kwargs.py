@@ -57,12 +57,12 @@ async def test_thinking_stays_the_templates_default_unless_the_request_turns_it_
         ({"enable_thinking": "false"}, "chat_template_kwargs"),
     ],
 )
-async def test_the_renderers_own_inputs_are_a_422_naming_the_field(
+async def test_the_renderers_own_inputs_are_a_400_naming_the_field(
     client: Any, kwargs: dict[str, Any], param: str
 ) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
     response = await client.post("/v1/chat/completions", json=body)
-    assert response.status == 422
+    assert response.status == 400
     error = (await response.json())["error"]
     assert error["param"] == param
     assert next(iter(kwargs)) in error["message"]

@@ -414,3 +414,20 @@ async def test_execution_parameters_size_the_payload_to_the_timeout(make: Any) -
     assert 1 < fast_mb <= 100
     configured = await make(FakeEngine(delay_s=0.2), batch_max_payload_mb=6)
     assert (await (await configured.get("/execution-parameters")).json())["MaxPayloadInMB"] == 6
+
+
+async def test_execution_parameters_size_the_payload_to_the_timeout_asked_for(make: Any) -> None:
+    """``?InvocationsTimeoutInSeconds=`` (what `arbiter transform` sends for its job) sizes the
+    payload to that timeout, from the one measurement; a bad value is a 400 naming it."""
+    slow = await make(FakeEngine(delay_s=0.2), batch_invocation_timeout_s=600)
+    path = "/execution-parameters?InvocationsTimeoutInSeconds="
+    job_1h = (await (await slow.get(path + "3600")).json())["MaxPayloadInMB"]
+    default = (await (await slow.get("/execution-parameters")).json())["MaxPayloadInMB"]
+    job_10m = (await (await slow.get(path + "600")).json())["MaxPayloadInMB"]
+    # ~200 s per MB: 1 MB fits 600 s x 0.5, about 9 MB 3,600 s x 0.5 (more than 1 unless the
+    # probe ran over 4 times slower than its sleeps).
+    assert default == job_10m == 1 and job_1h > 1, (default, job_10m, job_1h)
+    for bad in ("0", "3601", "1.5", "x"):
+        refused = await slow.get(path + bad)
+        assert refused.status == 400
+        assert (await refused.json())["error"]["param"] == "InvocationsTimeoutInSeconds"

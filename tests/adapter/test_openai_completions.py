@@ -120,7 +120,7 @@ def test_every_parameter_is_honoured_or_refused_by_name(client: openai.OpenAI, n
     if outcome == "honoured":
         assert create(client, **kw).choices
         return
-    with pytest.raises(openai.UnprocessableEntityError) as err:
+    with pytest.raises(openai.BadRequestError) as err:
         create(client, **kw)
     error = err.value.body
     assert isinstance(error, dict)

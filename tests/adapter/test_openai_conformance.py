@@ -3,8 +3,8 @@ official ``openai`` client: llama.cpp server's own conformance tests, ported.
 
 Ported from llama.cpp's ``tools/server/tests/unit/test_chat_completion.py`` (vendored in the
 llama-cpp-python 0.3.36 sdist): the model-independent parts (shapes, statuses, constraints
-honoured), not the texts its tiny test model writes. Arbiter answers a refused request with 422
-(its schema errors) where llama.cpp answers 400; both are an ``{"error": ...}`` body. Then what
+honoured), not the texts its tiny test model writes. A refused request is a 400 with OpenAI's
+``{"error": ...}`` body, as llama.cpp and OpenAI answer it (the client raises BadRequestError). Then what
 the issue asked on top: a fixed seed reproduces, stop strings are honoured (also streamed), n
 choices, and every parameter the client can send is honoured or refused by name.
 """
@@ -55,6 +55,8 @@ def refused(client: openai.OpenAI, **kw: Any) -> dict[str, Any]:
     with pytest.raises(openai.APIStatusError) as err:
         create(client, **kw)
     assert 400 <= err.value.status_code < 500
+    if err.value.status_code not in (401, 413):  # a refused request: OpenAI's own 400
+        assert isinstance(err.value, openai.BadRequestError), err.value
     assert err.value.response.json().keys() == {"error"}
     error = err.value.body
     assert isinstance(error, dict)
@@ -406,3 +408,60 @@ def test_a_field_no_client_knows_is_refused_by_name(client: openai.OpenAI) -> No
     error = refused(client, max_tokens=2, extra_body={"mirostat": 2})
     assert error["code"] == "unsupported_parameter"
     assert error["param"] == "mirostat"
+
+
+# -- issue 28: the chat path's last gaps to llama-server -------------------------------------------
+
+
+def test_an_unknown_parameter_is_a_bad_request_error(client: openai.OpenAI) -> None:
+    """OpenAI and llama.cpp's server answer 400, so the client raises BadRequestError (Arbiter
+    answered 422: UnprocessableEntityError, which code catching BadRequestError missed)."""
+    with pytest.raises(openai.BadRequestError) as err:
+        create(client, max_tokens=2, extra_body={"mirostat": 2})
+    assert err.value.status_code == 400
+    body = err.value.response.json()["error"]
+    assert body["type"] == "invalid_request_error" and body["param"] == "mirostat"
+    assert body.keys() >= {"message", "type", "param", "code"}
+
+
+def test_seed_minus_one_draws_a_random_seed(client: openai.OpenAI) -> None:
+    """llama.cpp's server reads seed -1 as "random": it was one fixed seed here."""
+
+    def texts() -> list[str | None]:
+        res = create(client, max_tokens=16, temperature=1.5, seed=-1, n=2)
+        return [c.message.content for c in res.choices]
+
+    assert texts() != texts()
+
+
+def test_an_assistant_message_may_have_null_content(client: openai.OpenAI) -> None:
+    messages: Any = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "refusal": None, "tool_calls": []},
+        {"role": "user", "content": "Still there?"},
+    ]
+    assert create(client, max_tokens=2, messages=messages).choices
+    with pytest.raises(openai.BadRequestError) as err:
+        create(client, max_tokens=2, messages=[{"role": "user", "content": None}])
+    assert err.value.response.json()["error"]["param"] == "messages.0"
+
+
+def test_message_fields_are_honoured_or_refused_by_name(client: openai.OpenAI) -> None:
+    named: Any = [{"role": "user", "content": "Hi", "name": "dana"}]
+    assert create(client, max_tokens=2, messages=named).choices
+    odd: Any = [{"role": "user", "content": "Hi", "tool_call_id": "call-1"}]
+    with pytest.raises(openai.BadRequestError) as err:
+        create(client, max_tokens=2, messages=odd)
+    body = err.value.response.json()["error"]
+    assert body["code"] == "unsupported_parameter" and body["param"] == "messages.0.tool_call_id"
+
+
+def test_a_last_assistant_message_is_continued(client: openai.OpenAI) -> None:
+    """llama.cpp's server prefills a final assistant message: the reply continues it."""
+    prefix = "The best book ever written is"
+    messages: Any = [*BOOK, {"role": "assistant", "content": prefix}]
+    res = create(client, max_tokens=4, temperature=0.0, messages=messages)
+    as_turn = create(client, max_tokens=4, temperature=0.0, messages=[*BOOK])
+    # Continued: the prompt is the turns plus the prefix, without the template's end of turn.
+    assert res.usage.prompt_tokens > as_turn.usage.prompt_tokens
+    assert res.choices[0].message.content

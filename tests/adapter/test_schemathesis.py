@@ -32,6 +32,7 @@ from arbiter.engine import Engine, Generation
 from arbiter.settings import EngineSettings, ServerSettings
 from tests.live_server import serve
 from tests.strategies import examples
+from tests.threads import TEST_THREADS
 
 CHECKS = [
     not_a_server_error,
@@ -56,7 +57,7 @@ class QuickEngine(Engine):
 
 @pytest.fixture(scope="module")
 def server(default_gguf: Path) -> Iterator[str]:
-    engine = QuickEngine(EngineSettings(model=default_gguf, n_ctx=512, n_threads=2))
+    engine = QuickEngine(EngineSettings(model=default_gguf, n_ctx=512, n_threads=TEST_THREADS))
     # Up to 8 decisions a request (more is a documented 422) keeps generated batches quick.
     settings_ = ServerSettings(max_in_flight=1, max_queue=8, queue_timeout_s=300, max_decisions=8)
     try:

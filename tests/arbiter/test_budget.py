@@ -31,6 +31,7 @@ from arbiter.errors import (
 from arbiter.schema import DecisionResult
 from tests.fakes import decision
 from tests.strategies import examples
+from tests.threads import TEST_THREADS
 
 MB = 1024 * 1024
 
@@ -237,7 +238,9 @@ def test_a_cancelled_generation_stops_between_decodes(
     decodes.on_call = lambda calls: budget.cancel.set() if calls == 3 else None
     tokens = engine.tokenize_content("Tell me a long story about a lighthouse. " * 4)
     with pytest.raises(RequestCancelled):
-        engine.generate(tokens, max_tokens=64, sampling=SamplingParams(temperature=0), budget=budget)
+        engine.generate(
+            tokens, max_tokens=64, sampling=SamplingParams(temperature=0), budget=budget
+        )
     assert decodes.calls == 3
     assert _kv_empty(engine)
 
@@ -294,7 +297,7 @@ def test_a_saved_prefix_state_is_copied_once(engine: Engine) -> None:
 def small(default_gguf: Any) -> Any:
     from arbiter.settings import EngineSettings
 
-    eng = Engine(EngineSettings(model=default_gguf, n_ctx=256, n_threads=2))
+    eng = Engine(EngineSettings(model=default_gguf, n_ctx=256, n_threads=TEST_THREADS))
     yield eng
     eng.close()
 

@@ -17,6 +17,7 @@ from arbiter.settings import EngineSettings
 from bench.floor import reference_option_logits
 from tests import EXAMPLES
 from tests.fakes import decision
+from tests.threads import TEST_THREADS
 
 # States whose last characters tend to merge with the "\n\n" that follows them in the prompt.
 TRICKY_STATES: list[object] = [
@@ -140,7 +141,9 @@ def test_shared_state_agrees_with_decisions_scored_one_by_one(engine: Engine) ->
 
 def test_parallel_branches_agree_within_kernel_tolerance(default_gguf: Path) -> None:
     eng = Engine(
-        EngineSettings(model=default_gguf, parallel_branches=True, n_ctx=2048, n_threads=2)
+        EngineSettings(
+            model=default_gguf, parallel_branches=True, n_ctx=2048, n_threads=TEST_THREADS
+        )
     )
     try:
         state = {"ticket": "SSO is down for all users", "plan": "enterprise"}
@@ -160,7 +163,9 @@ def test_parallel_branches_prefill_a_lone_cold_question_in_one_decode(
     (issue 24: the prefix-then-suffix split cost ~6% of a cold decision); the cache then keeps the
     state's cells alone, so another question on that state reads as the default engine's."""
     eng = Engine(
-        EngineSettings(model=default_gguf, parallel_branches=True, n_ctx=2048, n_threads=2)
+        EngineSettings(
+            model=default_gguf, parallel_branches=True, n_ctx=2048, n_threads=TEST_THREADS
+        )
     )
     try:
         state = {"ticket": "Invoices are charged twice since the upgrade", "plan": "team"}
@@ -182,7 +187,7 @@ def test_parallel_branches_prefill_a_lone_cold_question_in_one_decode(
         assert hit.prefix_cache == "hit"
         assert hit.prompt.prefix_tokens == cold.prompt.prefix_tokens
         # The state's cells were computed in one batch with the first question's, so they round
-        # apart from the default engine's by the kernel effect (README, Numerics).
+        # apart from the default engine's by the kernel effect (docs/decisions.md, Numerics).
         default = _alone(engine, second)
         assert np.allclose(hit.option_logits, default, atol=KERNEL_TOLERANCE)
         many = decision("c", "A lone state.", "Which code?", 30)
@@ -209,7 +214,9 @@ def test_mixed_states_come_back_in_input_order(engine: Engine) -> None:
 
 
 def test_more_questions_than_branches_are_chunked(default_gguf: Path) -> None:
-    small = Engine(EngineSettings(model=default_gguf, max_branches=2, n_ctx=2048, n_threads=2))
+    small = Engine(
+        EngineSettings(model=default_gguf, max_branches=2, n_ctx=2048, n_threads=TEST_THREADS)
+    )
     try:
         requests = [decision(f"q{i}", "One shared state.", f"Question {i}?") for i in range(5)]
         results = [_ok(r) for r in small.score(requests)]
@@ -233,7 +240,9 @@ def test_prefix_cache_hit_equals_cold_run(engine: Engine) -> None:
 
 
 def test_prefix_cache_is_bounded(default_gguf: Path) -> None:
-    eng = Engine(EngineSettings(model=default_gguf, prefix_cache_mb=1.0, n_ctx=1024, n_threads=2))
+    eng = Engine(
+        EngineSettings(model=default_gguf, prefix_cache_mb=1.0, n_ctx=1024, n_threads=TEST_THREADS)
+    )
     try:
         for i in range(4):
             _ok(eng.score([decision(f"d{i}", f"State number {i} " * 20, "Q?")])[0])
@@ -244,7 +253,9 @@ def test_prefix_cache_is_bounded(default_gguf: Path) -> None:
 
 
 def test_cache_off_reports_off(default_gguf: Path) -> None:
-    eng = Engine(EngineSettings(model=default_gguf, prefix_cache_mb=0, n_ctx=1024, n_threads=2))
+    eng = Engine(
+        EngineSettings(model=default_gguf, prefix_cache_mb=0, n_ctx=1024, n_threads=TEST_THREADS)
+    )
     try:
         assert _ok(eng.score([decision()])[0]).prefix_cache == "off"
     finally:
@@ -276,7 +287,7 @@ def test_too_many_options_is_a_typed_error_and_others_still_score(engine: Engine
 
 
 def test_prompt_longer_than_context_is_refused_not_truncated(default_gguf: Path) -> None:
-    eng = Engine(EngineSettings(model=default_gguf, n_ctx=256, n_threads=2))
+    eng = Engine(EngineSettings(model=default_gguf, n_ctx=256, n_threads=TEST_THREADS))
     try:
         long_state = "word " * 400
         outcomes = eng.score([decision("long", long_state), decision("short")])

@@ -26,6 +26,7 @@ from arbiter.settings import EngineSettings
 from tests import ROOT
 from tests.fakes import decision
 from tests.strategies import SCALE
+from tests.threads import TEST_THREADS
 
 
 def _ok(outcome: DecisionResult | Exception) -> DecisionResult:
@@ -48,7 +49,7 @@ def _isolated(code: str, timeout: float = 120) -> subprocess.CompletedProcess[st
 @pytest.fixture(scope="module")
 def small(default_gguf: Path) -> Any:
     """A 256-token context: prompts overflow it easily."""
-    eng = Engine(EngineSettings(model=default_gguf, n_ctx=256, n_threads=2))
+    eng = Engine(EngineSettings(model=default_gguf, n_ctx=256, n_threads=TEST_THREADS))
     yield eng
     eng.close()
 
@@ -232,7 +233,9 @@ def test_buffers_are_sized_for_the_outputs_read_not_n_batch(default_gguf: Path) 
     backends.init()
     llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
     try:
-        eng = Engine(EngineSettings(model=default_gguf, n_ctx=512, n_threads=2, max_branches=4))
+        eng = Engine(
+            EngineSettings(model=default_gguf, n_ctx=512, n_threads=TEST_THREADS, max_branches=4)
+        )
     finally:
         backends.route_llama_logs()
     try:
@@ -278,7 +281,7 @@ def test_close_waits_for_running_calls_and_later_calls_fail_cleanly() -> None:
         from arbiter.settings import EngineSettings
         from tests.fakes import decision
 
-        eng = Engine(EngineSettings(model_dir=Path("/nonexistent"), n_threads=2, n_ctx=1024))
+        eng = Engine(EngineSettings(model_dir=Path("/nonexistent"), n_threads=1, n_ctx=1024))
         outcomes = []
         requests = [decision(f"d{i}", "A long shared state. " * 40, f"Q{i}?") for i in range(4)]
         worker = threading.Thread(target=lambda: outcomes.extend(eng.score(requests)))

@@ -123,6 +123,11 @@ def test_a_stop_string_cuts_at_its_first_match_also_when_streamed(
     streamed = [e.token for _, logprobs in deltas for e in (logprobs or [])]
     assert "".join(streamed) == choice.text
     assert choice.logprobs is not None and "".join(e.token for e in choice.logprobs) == choice.text
+    # The token cut by the stop string has its bytes cut too: they join to the content's bytes
+    # (issue 28: the whole token's bytes were kept).
+    assert b"".join(e.bytes for e in choice.logprobs) == choice.text.encode()
+    streamed_bytes = [e.bytes for _, logprobs in deltas for e in (logprobs or [])]
+    assert b"".join(streamed_bytes) == choice.text.encode()
 
 
 def test_logit_bias_bans_the_greedy_token_and_forces_another(

@@ -26,7 +26,10 @@ VALIDATOR = jsonschema.Draft202012Validator
 FORMATS = VALIDATOR.FORMAT_CHECKER
 
 REFUSED = [
-    ({"type": "integer", "minimum": 0}, "'minimum'"),
+    ({"type": "number", "minimum": 0}, "'minimum'"),
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "no integer is at least 5"),
+    ({"type": "integer", "minimum": "0"}, "must be a number"),
+    ({"type": "integer", "maximum": 1e30}, "within"),
     ({"type": "number", "multipleOf": 2}, "'multipleOf'"),
     ({"type": "string", "pattern": "^(?=a)b$"}, "lookarounds"),
     ({"type": "string", "pattern": r"(a)\1"}, "escape \\1"),
@@ -97,6 +100,12 @@ leaves = st.one_of(
         ]
     ),
     st.integers(0, 8).map(lambda n: {"type": "string", "maxLength": n}),
+    # Integer bounds (issue 28), as pydantic's conint and Field(ge=...) write them.
+    st.tuples(st.integers(-300, 300), st.integers(0, 400)).map(
+        lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}
+    ),
+    st.integers(-1000, 1000).map(lambda n: {"type": "integer", "exclusiveMinimum": n}),
+    st.integers(-1000, 1000).map(lambda n: {"type": "integer", "maximum": n}),
     st.lists(scalars, min_size=1, max_size=4, unique_by=json.dumps).map(lambda v: {"enum": v}),
     scalars.map(lambda v: {"const": v}),
 )
@@ -226,3 +235,33 @@ def test_the_schemas_pydantic_writes_are_accepted_and_compile(chat_engine: Engin
     chat_engine.check_grammar(grammar)
     strict = openai_strict(Owner)
     chat_engine.check_grammar(schema_grammar(strict, "response_format.json_schema.schema"))
+
+
+@settings(max_examples=200 * SCALE, deadline=None)
+@given(
+    low=st.one_of(st.none(), st.integers(-2500, 2500)),
+    span=st.one_of(st.none(), st.integers(0, 3000)),
+)
+def test_integer_bounds_admit_exactly_the_integers_in_range(low: int | None, span: int | None) -> None:
+    """The bounds' grammar (int_range, written as GBNF and, with the same parts, as a regex):
+    every integer in range and nothing else, each written one way (no leading zero, no -0)."""
+    import re
+
+    from arbiter.engine import int_range
+
+    high = None if span is None else (low or 0) + span
+    language = re.compile(int_range.regex(low, high))
+    for i in range(-4000, 4000):
+        inside = (low is None or i >= low) and (high is None or i <= high)
+        assert (language.fullmatch(str(i)) is not None) == inside, (low, high, i)
+    for text in ("-0", "007", "01", "+1", ""):
+        assert language.fullmatch(text) is None
+    assert int_range.gbnf(low, high).count("|") == int_range.regex(low, high).count("|")
+
+
+def test_integer_bounds_reach_the_grammar() -> None:
+    """The converter dropped minimum/maximum (its TODO): the grammar admitted any integer."""
+    grammar = schema_grammar({"type": "integer", "minimum": 3, "maximum": 7}, "json_schema")
+    assert 'root ::= ([3-7]) space' in grammar
+    pydantic_like = {"type": "integer", "exclusiveMinimum": 0, "maximum": 120}
+    assert "[1-9]" in schema_grammar(pydantic_like, "json_schema")

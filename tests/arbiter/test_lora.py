@@ -2,8 +2,8 @@
 for SmolLM2's own tensors (rank 4, seeded values), applied through llama.cpp's adapter API.
 
 Scale 0 gives the base model's numbers, a non-zero scale changes them, grouped = single = cache
-hit still holds (README, Numerics), the prefix cache keys states by adapter and scale, and an
-adapter for another base stops start-up with one line before llama.cpp is given it.
+hit still holds (docs/decisions.md#numerics), the prefix cache keys states by adapter and scale,
+and an adapter for another base stops start-up with one line before llama.cpp is given it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from bench.lora_adapter import write_lora
 from infra.package_model import PackageError, package_model
 from tests.arbiter.test_profiles import YES_NO
 from tests.fakes import decision
+from tests.threads import TEST_THREADS
 
 STATE = {"ticket": "TCK-7", "body": "Our SSO login fails since Monday and invoices are late."}
 DECISIONS = [
@@ -59,7 +60,8 @@ def adapter(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _engine(model: Path, lora: str | None = None, **kw: Any) -> Engine:
-    return Engine(EngineSettings(model=model, n_threads=2, n_ctx=2048, lora=lora, **kw))
+    kw.setdefault("read_check", "warn")  # random adapters move the label mass
+    return Engine(EngineSettings(model=model, n_threads=TEST_THREADS, n_ctx=2048, lora=lora, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +240,9 @@ def test_an_archive_serves_its_adapter_and_profile_pinned_in_every_result(
     ]
     assert manifest["profile"]["sha256"] == sha256_file(profile)
 
-    eng = Engine(EngineSettings(model_dir=model_dir, n_threads=2, n_ctx=1024))
+    eng = Engine(
+        EngineSettings(model_dir=model_dir, n_threads=TEST_THREADS, n_ctx=1024, read_check="warn")
+    )
     try:
         urgent = decision("u", "SSO is down for everyone.", "Urgent?", [("y", "Yes"), ("n", "No")])
         result = _ok(eng.score([urgent])[0])
@@ -253,7 +257,11 @@ def test_an_archive_serves_its_adapter_and_profile_pinned_in_every_result(
         write_lora(smollm2, tmp_path / "x.gguf", seed=8).read_bytes()
     )
     with pytest.raises(ManifestMismatch, match="LoRA adapter is corrupt"):
-        Engine(EngineSettings(model_dir=model_dir, n_threads=2, n_ctx=1024))
+        Engine(
+            EngineSettings(
+                model_dir=model_dir, n_threads=TEST_THREADS, n_ctx=1024, read_check="warn"
+            )
+        )
 
 
 def test_package_model_refuses_an_adapter_that_does_not_fit(

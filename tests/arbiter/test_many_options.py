@@ -28,6 +28,7 @@ from arbiter.settings import EngineSettings
 from tests.aws import aws_clients, read_object
 from tests.fakes import decision, decision_line
 from tests.strategies import examples, valid_text
+from tests.threads import TEST_THREADS
 from worker.events import JobRef
 from worker.jobs import run_job
 from worker.settings import WorkerSettings
@@ -311,7 +312,11 @@ def test_grouped_single_and_cache_hit_agree_with_many_options(engine: Engine) ->
 def test_parallel_branches_compose_with_codes(default_gguf: Path) -> None:
     eng = Engine(
         EngineSettings(
-            model=default_gguf, parallel_branches=True, max_branches=4, n_ctx=4096, n_threads=2
+            model=default_gguf,
+            parallel_branches=True,
+            max_branches=4,
+            n_ctx=4096,
+            n_threads=TEST_THREADS,
         )
     )
     try:
@@ -347,7 +352,7 @@ def test_255_options_score_within_the_context_and_256_is_a_typed_error(engine: E
 
 @pytest.fixture(scope="module")
 def small(default_gguf: Path) -> Iterator[Engine]:
-    eng = Engine(EngineSettings(model=default_gguf, n_ctx=512, n_threads=2))
+    eng = Engine(EngineSettings(model=default_gguf, n_ctx=512, n_threads=TEST_THREADS))
     yield eng
     eng.close()
 

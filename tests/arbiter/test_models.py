@@ -12,6 +12,7 @@ from arbiter.engine import Engine
 from arbiter.errors import ManifestMismatch, ModelLoadError
 from arbiter.models import MANIFEST_NAME, resolve_model, sha256_file, smollm2_path
 from arbiter.settings import EngineSettings
+from tests.threads import TEST_THREADS
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,9 @@ def test_matching_manifest_loads_and_pins_the_hash(
 ) -> None:
     gguf = _link(smol, tmp_path / "model" / "smol.gguf")
     _manifest(gguf.parent, "smol.gguf", smol_sha)
-    eng = Engine(EngineSettings(model=None, model_dir=tmp_path / "model", n_ctx=512, n_threads=2))
+    eng = Engine(
+        EngineSettings(model=None, model_dir=tmp_path / "model", n_ctx=512, n_threads=TEST_THREADS)
+    )
     try:
         assert eng.model_info.sha256 == smol_sha
         assert eng.model_info.file == "smol.gguf"

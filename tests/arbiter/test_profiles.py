@@ -20,6 +20,7 @@ from arbiter.profiles import builtin_bytes, load_profile
 from arbiter.schema import DecisionResult
 from arbiter.settings import EngineSettings
 from tests.fakes import decision
+from tests.threads import TEST_THREADS
 
 YES_NO = """\
 format = 1
@@ -38,6 +39,9 @@ question = \"\"\"{{ question }}
 plain = "Answer:"
 chat = ""
 """
+# The base model was never trained on these profiles' labels: the read check at load would refuse
+# it (its probes' label mass is under the threshold); these tests are about the profiles' mechanics.
+WARN = "warn"
 URGENT = decision(
     "urgent",
     "Since this morning none of our 420 users can sign in with SSO.",
@@ -61,7 +65,13 @@ def _write(tmp_path: Path, text: str, name: str = "profile.toml") -> Path:
 def yes_no_engine(default_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     path = _write(tmp_path_factory.mktemp("profile"), YES_NO)
     eng = Engine(
-        EngineSettings(model=default_gguf, n_threads=2, n_ctx=2048, prompt_profile=str(path))
+        EngineSettings(
+            model=default_gguf,
+            n_threads=TEST_THREADS,
+            n_ctx=2048,
+            prompt_profile=str(path),
+            read_check=WARN,
+        )
     )
     yield eng
     eng.close()
@@ -84,7 +94,9 @@ def test_a_profile_sets_the_instruction_layout_labels_and_cue(yes_no_engine: Eng
         "Is this ticket urgent?\n- yes: It is urgent\n- no: It can wait\nAnswer:"
     )
     result = _ok(yes_no_engine.score([URGENT])[0])
-    assert result.prompt.version == "ticket-yes-no-v1/plain"
+    # A file's profile reports its own sha256 in the version (never a built-in's name alone).
+    sha = hashlib.sha256(YES_NO.encode()).hexdigest()
+    assert result.prompt.version == f"ticket-yes-no-v1@{sha[:12]}/plain"
     assert result.prompt.profile == "ticket-yes-no-v1"
     assert result.prompt.profile_sha256 == hashlib.sha256(YES_NO.encode()).hexdigest()
     assert sum(result.probabilities) == pytest.approx(1.0)
@@ -116,14 +128,21 @@ def test_two_token_labels_are_read_by_the_chain_rule(default_gguf: Path, tmp_pat
     )
     path = _write(tmp_path, profile)
     eng = Engine(
-        EngineSettings(model=default_gguf, n_threads=2, n_ctx=2048, prompt_profile=str(path))
+        EngineSettings(
+            model=default_gguf,
+            n_threads=TEST_THREADS,
+            n_ctx=2048,
+            prompt_profile=str(path),
+            read_check=WARN,
+        )
     )
     try:
         assert eng.labels.max_letters == 0 and eng.labels.codes is not None
         three = decision("three", "A state.", "Which one?", [("a", "A"), ("b", "B"), ("c", "C")])
         result = _ok(eng.score([three])[0])
         assert "- Q7: A\n- R8: B\n- S9: C\n" in eng.render_text(three)
-        assert result.prompt.version == "ticket-codes-v1-codes/plain"
+        sha = hashlib.sha256(profile.encode()).hexdigest()
+        assert result.prompt.version == f"ticket-codes-v1-codes@{sha[:12]}/plain"
         assert sum(result.probabilities) == pytest.approx(1.0)
         assert 0 < result.allowed_mass <= 1
         assert all(x <= 0 for x in result.option_logits)  # chain-rule log-probabilities
@@ -206,7 +225,9 @@ def test_a_model_dirs_manifest_serves_its_profile_and_refuses_a_changed_one(
     default_gguf: Path, tmp_path: Path
 ) -> None:
     directory = _model_dir(tmp_path, default_gguf, YES_NO)
-    eng = Engine(EngineSettings(model_dir=directory, n_threads=2, n_ctx=1024))
+    eng = Engine(
+        EngineSettings(model_dir=directory, n_threads=TEST_THREADS, n_ctx=1024, read_check=WARN)
+    )
     try:
         result = _ok(eng.score([URGENT])[0])
         assert result.prompt.profile == "ticket-yes-no-v1"
@@ -215,7 +236,9 @@ def test_a_model_dirs_manifest_serves_its_profile_and_refuses_a_changed_one(
         eng.close()
     (directory / "profile.toml").write_text(YES_NO.replace("yes or no", "yes or no!"))
     with pytest.raises(ManifestMismatch, match="prompt profile is corrupt"):
-        Engine(EngineSettings(model_dir=directory, n_threads=2, n_ctx=1024))
+        Engine(
+            EngineSettings(model_dir=directory, n_threads=TEST_THREADS, n_ctx=1024, read_check=WARN)
+        )
 
 
 def test_the_setting_wins_over_the_manifest(default_gguf: Path, tmp_path: Path) -> None:

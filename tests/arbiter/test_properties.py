@@ -44,6 +44,7 @@ from tests.strategies import (
     text,
     valid_decision,
 )
+from tests.threads import TEST_THREADS
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -197,7 +198,7 @@ def test_any_system_one_body_is_decisions_or_a_422(value: dict[str, Any]) -> Non
 def small_engine(default_gguf: Any) -> Iterator[Engine]:
     from arbiter.settings import EngineSettings
 
-    eng = Engine(EngineSettings(model=default_gguf, n_ctx=512, n_threads=2))
+    eng = Engine(EngineSettings(model=default_gguf, n_ctx=512, n_threads=TEST_THREADS))
     yield eng
     eng.close()
 

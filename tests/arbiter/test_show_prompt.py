@@ -17,7 +17,9 @@ from tests import EXAMPLES
 from tests.fakes import decision_body
 
 
-def _records(path: Path, model: Path, capsys: pytest.CaptureFixture[str]) -> list[dict[str, object]]:
+def _records(
+    path: Path, model: Path, capsys: pytest.CaptureFixture[str]
+) -> list[dict[str, object]]:
     assert main(["prompt", str(path), "--json", "--model", str(model)]) == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
@@ -29,7 +31,9 @@ def test_each_prompt_is_the_one_the_engine_prefills_with_its_counts_and_sha256(
     eng: Engine = request.getfixturevalue(which)
     path = EXAMPLES / "decisions.jsonl"
     records = _records(path, eng.resolved.path, capsys)
-    decisions = [parse_decision_line(line) for line in path.read_text().splitlines() if line.strip()]
+    decisions = [
+        parse_decision_line(line) for line in path.read_text().splitlines() if line.strip()
+    ]
     eng.cache.clear()
     results = eng.score(decisions)  # one call, grouped by state as arbiter decide groups a chunk
     assert len(records) == len(results) == len(decisions) > 2
@@ -83,3 +87,73 @@ def test_the_text_form_names_the_counts_and_prints_the_prompt(
         f"{result.prompt.prefix_tokens} prefilled once for its state"
     )
     assert engine.render_text(request) in printed
+
+
+# -- issue 28: a line it cannot build gets the engine's error; a file profile has its own version --
+
+
+def test_more_options_than_a_profiles_labels_is_the_engines_error_not_a_crash(
+    engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The docs' yes/no profile and a three-option decision: `arbiter decide` refuses the line
+    (too_many_options); `arbiter prompt` raised AssertionError (and ValueError from zip() for
+    code labels). Each line is now the engine's own outcome."""
+    from tests.arbiter.test_profiles import YES_NO
+
+    profiles = {
+        "yes-no": YES_NO,
+        "codes": YES_NO.replace('labels = ["yes", "no"]', 'labels = ["Q7", "R8"]'),
+    }
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(
+        json.dumps(decision_body("three", options=3))
+        + "\n"
+        + json.dumps(decision_body("two", options=2))
+        + "\n"
+    )
+    for name, text in profiles.items():
+        profile = tmp_path / f"{name}.toml"
+        profile.write_text(text)
+        argv = ["prompt", str(path), "--json", "--model", str(engine.resolved.path)]
+        assert main([*argv, "--profile", str(profile)]) == 0, name
+        three, two = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert three["error"]["code"] == "too_many_options", name
+        assert "label at most 2 options" in three["error"]["message"]
+        assert ("- Q7: " if name == "codes" else "- yes: ") in two["text"], name
+
+
+def test_a_decision_too_long_for_the_context_is_the_engines_error(
+    engine: Engine,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps(decision_body("long", state="word " * 4000)) + "\n")
+    monkeypatch.setenv("ARBITER_N_CTX", "1024")
+    assert main(["prompt", str(path), "--json", "--model", str(engine.resolved.path)]) == 1
+    (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert record["error"]["code"] == "context_length_exceeded"
+    assert record["error"]["param"] == "state"
+
+
+def test_a_profile_file_named_like_a_builtin_reports_its_own_version(
+    engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import hashlib
+
+    from arbiter.profiles import builtin_bytes
+
+    text = builtin_bytes("arbiter-letters-v1").decode().replace("Answer", "Reply", 1)
+    impostor = tmp_path / "arbiter-letters-v1.toml"
+    impostor.write_text(text)
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps(decision_body("d1")) + "\n")
+    argv = ["prompt", str(path), "--json", "--model", str(engine.resolved.path)]
+    assert main(argv) == 0
+    (builtin,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main([*argv, "--profile", str(impostor)]) == 0
+    (own,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    sha = hashlib.sha256(text.encode()).hexdigest()
+    assert builtin["version"] == "arbiter-letters-v1/plain"
+    assert own["version"] == f"arbiter-letters-v1@{sha[:12]}/plain"

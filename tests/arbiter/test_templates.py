@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from transformers.utils import chat_template_utils as hf
 
+from arbiter import answer_position, templates
 from arbiter import prompt as prompts
-from arbiter import templates
 from arbiter.engine import Engine
 from arbiter.engine.llama import Llama
 from arbiter.engine.probabilities import logsumexp
@@ -188,8 +188,8 @@ def test_no_decision_prompt_ends_inside_an_open_reasoning_block(
 ) -> None:
     decision_prompts, llama = family_prompts(name, vocabularies, tmp_path)
     llama.close()
-    assert templates.open_block(decision_prompts.layout.tail) is None
-    assert templates.open_block(decision_prompts.text(DECISION)) is None
+    assert answer_position.open_block(decision_prompts.layout.tail) is None
+    assert answer_position.open_block(decision_prompts.text(DECISION)) is None
 
 
 @pytest.mark.parametrize(
@@ -212,12 +212,13 @@ def test_rendered_as_before_with_no_switch_these_prompts_leave_the_model_to_reas
         bos_token="",
         eos_token="",
     )
-    opened = templates.open_block(str(rendered[0]))
+    opened = answer_position.open_block(str(rendered[0]))
     assert (opened.name if opened else None) == block
     if name == "Qwen3.5-4B":
         assert str(rendered[0]).endswith("<|im_start|>assistant\n<think>\n")
-    closure = templates.close_reasoning(template_text(name), str(rendered[0]))
-    assert closure.text and templates.open_block(str(rendered[0]) + closure.text) is None
+    if opened is not None:
+        closing = opened.closing(str(rendered[0]))
+        assert answer_position.open_block(str(rendered[0]) + closing) is None
 
 
 def test_the_decision_date_is_pinned_or_the_load_day() -> None:
@@ -317,3 +318,18 @@ def test_a_qwen_style_model_is_read_after_a_closed_think_block(qwen_style: Engin
     # Read inside the open block instead, the same weights put other mass on the letters.
     inside = _mass_by_hand(qwen_style, opened, content, prefix, n)
     assert abs(inside - result.allowed_mass) > 1e-3
+
+
+def test_a_last_assistant_message_is_prefilled_unless_switched_off() -> None:
+    """llama.cpp's server continues a final assistant message (its --no-prefill-assistant turns
+    that off; ARBITER_CHAT_PREFILL_ASSISTANT=false here)."""
+    template = template_text("Qwen-Qwen2.5-7B-Instruct")
+    messages = [("user", "Name a colour."), ("assistant", "My favourite colour is")]
+    prefilled = prompts.render_chat(messages, template, "", "", prefill=True)
+    assert prefilled[-1] == ("My favourite colour is", False)  # the reply continues the text
+    as_turn = prompts.render_chat(messages, template, "", "", prefill=False)
+    assert as_turn[-1][1] and as_turn[-1][0].endswith("<|im_start|>assistant\n")
+    plain = prompts.render_chat(messages, None, "", "", prefill=True)
+    assert plain[-1][0].endswith("\nassistant: My favourite colour is")
+    named = prompts.render_chat([("user", "Hi")], template, "", "", names=["dana"])
+    assert named[-1][0].endswith("<|im_start|>assistant\n")

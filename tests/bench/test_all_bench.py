@@ -81,17 +81,18 @@ def test_update_readme_rewrites_only_the_generated_section(tmp_path: Path) -> No
 
 
 def test_the_generated_section_names_no_path_of_this_machine(tmp_path: Path) -> None:
-    """The README's generated section showed /work/main/examples/labeled.jsonl and the command's
-    /tmp output directory: paths of the machine that ran it. Now: relative to the repository, or
-    the file name."""
+    """The generated section (then in the README, now in docs/performance.md) showed
+    /work/main/examples/labeled.jsonl and the command's /tmp output directory: paths of the machine
+    that ran it. Now: relative to the repository, or the file name."""
     from arbiter.cli import build_parser
     from bench.common import LABELED, ROOT, shown
 
     assert shown(LABELED) == "examples/labeled.jsonl"
     assert shown(tmp_path / "mine.jsonl") == "mine.jsonl"
     argv = ["bench", "all", "--limit", "20", "--out", str(tmp_path / "out")]
-    args = build_parser("bench").parse_args([*argv, "--readme", str(ROOT / "README.md")])
-    assert all_bench._command(args) == "arbiter bench all --limit 20 --readme README.md"
+    page = ROOT / "docs" / "performance.md"
+    args = build_parser("bench").parse_args([*argv, "--readme", str(page)])
+    assert all_bench._command(args) == "arbiter bench all --limit 20 --readme docs/performance.md"
     other = [*argv, "--file", str(tmp_path / "x.jsonl"), "--model", "/models/m.gguf"]
     args = build_parser("bench").parse_args([*other, "--readme", str(tmp_path / "R.md")])
     command = all_bench._command(args)

@@ -11,6 +11,7 @@ from arbiter.engine import Engine
 from bench import engine_bench
 from bench.common import QUESTIONS, case_decision, sized_state
 from bench.floor import floor_shared, plain_pass, reference_option_logits
+from tests.threads import TEST_THREADS
 
 
 def test_single_decision_against_the_floor(engine: Engine) -> None:
@@ -42,7 +43,7 @@ def test_the_adapter_rows_toggle_the_adapter_and_leave_it_applied(tmp_path: Path
     model = smollm2_path()
     assert model is not None
     lora = write_lora(model, tmp_path / "lora.gguf", seed=1)
-    eng = Engine(EngineSettings(model=model, n_threads=2, n_ctx=2048, lora=f"{lora}:1"))
+    eng = Engine(EngineSettings(model=model, n_threads=TEST_THREADS, n_ctx=2048, lora=f"{lora}:1"))
     try:
         request = case_decision(0, sized_state(eng, 9, 60))
         before = eng.score([request])[0]

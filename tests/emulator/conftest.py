@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from tests.emulator.support import OPEN_CLIENTS
+from tests.emulator.support import OPEN_CLIENTS, make_bucket
 
 
 @pytest.fixture(autouse=True)
@@ -15,3 +16,10 @@ def _close_clients() -> Iterator[None]:
     yield
     while OPEN_CLIENTS:
         OPEN_CLIENTS.pop().close()
+
+
+@pytest.fixture
+def local_s3(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The test's moto S3 with the bucket made, and ``arbiter transform`` pointed at it."""
+    monkeypatch.setenv("ARBITER_AWS_ENDPOINT_URL", endpoint)
+    return make_bucket(endpoint)

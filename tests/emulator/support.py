@@ -119,6 +119,7 @@ class StandIn:
 
     def __init__(self) -> None:
         self.respond: Callable[[web.Request], Any] = self._ok
+        self.ping: Callable[[web.Request], Any] = self._pong
         self.seen: list[dict[str, Any]] = []
         self.execution: dict[str, Any] | None = None
         self.active = 0
@@ -127,9 +128,13 @@ class StandIn:
     async def _ok(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
+    async def _pong(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
     def app(self) -> web.Application:
-        async def ping(request: web.Request) -> web.Response:
-            return web.Response(text="ok")
+        async def ping(request: web.Request) -> web.StreamResponse:
+            result: web.StreamResponse = await self.ping(request)
+            return result
 
         async def invocations(request: web.Request) -> web.StreamResponse:
             body = await request.read()
@@ -155,7 +160,65 @@ class StandIn:
 
 
 @contextlib.contextmanager
-def stand_in() -> Iterator[tuple[StandIn, str]]:
-    fake = StandIn()
-    with serve(fake.app()) as url:
+def stand_in(port: int = 0, fake: StandIn | None = None) -> Iterator[tuple[StandIn, str]]:
+    fake = fake or StandIn()
+    with serve(fake.app(), port=port) as url:
         yield fake, url
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def proxy(moto: str, decide: Callable[[Any], str]) -> Iterator[str]:
+    """The fault proxy (``tests.faults.proxy``) in front of moto, on a loop of its own: yields the
+    endpoint URL to give the front (its S3, SNS and SQS calls all pass through ``decide``)."""
+    import asyncio
+    import threading
+
+    from tests.faults.proxy import FaultProxy
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="fault-proxy", daemon=True)
+    thread.start()
+    faulty = FaultProxy(moto, decide)
+
+    async def start() -> str:
+        await faulty.start()
+        return await faulty.endpoint(1)
+
+    try:
+        yield asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
+    finally:
+        asyncio.run_coroutine_threadsafe(faulty.close(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        loop.close()
+
+
+def poll_object(s3: Any, location: str, within_s: float = 60) -> bytes:
+    """What an application does: poll an S3 location until the object is there."""
+    import time
+
+    from botocore.exceptions import ClientError
+
+    bucket, _, key = location[5:].partition("/")
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            data: bytes = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+            return data
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] != "NoSuchKey" or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def exists(s3: Any, location: str) -> bool:
+    bucket, _, key = location[5:].partition("/")
+    return bool(s3.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount"))

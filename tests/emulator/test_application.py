@@ -1,5 +1,5 @@
-"""The README's application (examples/sagemaker_app.py) runs unchanged against the local stack:
-only the environment points boto3 at it, as it would point it at AWS."""
+"""The documented application (examples/sagemaker_app.py, quoted in docs/sagemaker.md) runs unchanged
+against the local stack: only the environment points boto3 at it, as it would point it at AWS."""
 
 from __future__ import annotations
 
@@ -29,27 +29,34 @@ def test_the_readme_application_runs_unchanged_against_the_local_stack(
             "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1",
         }
-        ran = subprocess.run(
-            [sys.executable, str(EXAMPLES / "sagemaker_app.py")],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-            cwd=ROOT,
-        )
-    assert ran.returncode == 0, ran.stderr
-    out = ran.stdout.splitlines()
+        out: list[str] = []
+        # As on AWS (and the README says): the real-time ways on one endpoint, async on the other.
+        for endpoint_name, ways in (
+            ("arbiter", ["real_time", "refused"]),
+            ("arbiter-async", ["asynchronous"]),
+            ("arbiter", ["streamed"]),
+        ):
+            ran = subprocess.run(
+                [sys.executable, str(EXAMPLES / "sagemaker_app.py"), *ways],
+                env={**env, "ENDPOINT": endpoint_name},
+                capture_output=True,
+                text=True,
+                timeout=240,
+                cwd=ROOT,
+            )
+            assert ran.returncode == 0, ran.stderr
+            out += ran.stdout.splitlines()
     assert out[0].startswith("invoke_endpoint: ")
     assert out[1] == "ModelError: 422 invalid_decision" or out[1].startswith("ModelError: 422 ")
     assert out[2] == "invoke_endpoint_async: OutputLocation 8 records"
     assert out[3] == "invoke_endpoint_with_response_stream: 8 records"
 
 
-def test_the_readme_quotes_the_application() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## From your application", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_quote_the_application() -> None:
+    page = (ROOT / "docs" / "sagemaker.md").read_text()
+    section = page.split("## From your application", 1)[1].split("\n## ", 1)[0]
     code = (EXAMPLES / "sagemaker_app.py").read_text()
     for function in ("def real_time", "def with_retries", "def asynchronous", "def streamed"):
         start = code.index(function)
         block = code[start : code.index("\n\n\n", start)]
-        assert block in section, f"the README's copy of {function} differs from the example"
+        assert block in section, f"docs/sagemaker.md's copy of {function} differs from the example"

@@ -19,9 +19,11 @@ from tests.emulator.support import (
     BUCKET,
     aws,
     container,
+    exists,
     front,
     make_bucket,
     notifications,
+    poll_object,
     runtime,
     stand_in,
     subscribe,
@@ -31,29 +33,22 @@ from tests.fakes import decision_line
 pytestmark = pytest.mark.timeout(180)
 
 
-def poll(s3: Any, location: str, within_s: float = 60) -> bytes:
-    """What an application does: poll the OutputLocation until the object is there."""
-    bucket, _, key = location[5:].partition("/")
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            data: bytes = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-            return data
-        except ClientError as exc:
-            if exc.response["Error"]["Code"] != "NoSuchKey" or time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
-def exists(s3: Any, location: str) -> bool:
-    bucket, _, key = location[5:].partition("/")
-    return bool(s3.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount"))
+poll = poll_object
 
 
 def metric(api: str, name: str) -> float:
     text = urllib.request.urlopen(api + "/metrics", timeout=10).read().decode()
     [line] = [line for line in text.splitlines() if line.startswith(name + " ")]
     return float(line.split()[1])
+
+
+def metric_becomes(api: str, name: str, value: float, within_s: float = 10) -> float:
+    """The backlog gauge is the queue's approximate count, refreshed each second (as SageMaker's
+    ApproximateBacklogSize is a CloudWatch figure): polled until it reads ``value``."""
+    deadline = time.monotonic() + within_s
+    while (got := metric(api, name)) != value and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return got
 
 
 @pytest.mark.real_model
@@ -66,7 +61,7 @@ def test_an_async_invocation_writes_its_output_and_notifies_success(
     with container(engine) as url, front(url, endpoint) as api:
         topics = subscribe(endpoint)
         got = runtime(api).invoke_endpoint_async(
-            EndpointName="arbiter",
+            EndpointName="arbiter-async",
             ContentType="application/jsonlines",
             InputLocation=f"s3://{BUCKET}/async/input/two.jsonl",
         )
@@ -93,7 +88,7 @@ def test_a_container_refusal_is_written_to_the_failure_location_and_notified(
     with container(engine) as url, front(url, endpoint) as api:
         topics = subscribe(endpoint)
         got = runtime(api).invoke_endpoint_async(
-            EndpointName="arbiter",
+            EndpointName="arbiter-async",
             ContentType="application/json",
             Body=b'{"neither": "decision nor decisions"}',
             InferenceId="mine-1",
@@ -132,24 +127,28 @@ def test_a_request_older_than_its_ttl_expires_unprocessed(endpoint: str) -> None
         fake.respond = held
         client = runtime(api)
         first = client.invoke_endpoint_async(
-            EndpointName="arbiter", ContentType="application/json", Body=b"{}"
+            EndpointName="arbiter-async", ContentType="application/json", Body=b"{}"
         )
         second = client.invoke_endpoint_async(
-            EndpointName="arbiter",
+            EndpointName="arbiter-async",
             ContentType="application/json",
             Body=b"{}",
             RequestTTLSeconds=60,
         )
-        assert metric(api, "arbiter_runtime_async_backlog") == 2  # one in flight, one queued
+        # one in flight, one queued
+        assert metric_becomes(api, "arbiter_runtime_async_backlog", 2) == 2
         clock.now += 61
         release.set()
         poll(s3, first["OutputLocation"])
         [note] = notifications(endpoint, topics["error"])
-        assert metric(api, "arbiter_runtime_async_backlog") == 0
+        failure = json.loads(poll(s3, second["FailureLocation"]))
+        assert metric_becomes(api, "arbiter_runtime_async_backlog", 0) == 0
     assert note["inferenceId"] == second["InferenceId"]
     assert note["failureReason"].startswith("Request expired")
+    assert note["responseParameters"]["failureLocation"] == second["FailureLocation"]
+    assert failure == {"inferenceId": second["InferenceId"], "failureReason": note["failureReason"]}
     assert len(fake.seen) == 1  # the container never saw the expired request
-    assert not exists(s3, second["OutputLocation"]) and not exists(s3, second["FailureLocation"])
+    assert not exists(s3, second["OutputLocation"])
 
 
 def test_at_most_max_concurrent_invocations_reach_the_container(endpoint: str) -> None:
@@ -167,7 +166,7 @@ def test_at_most_max_concurrent_invocations_reach_the_container(endpoint: str) -
         client = runtime(api)
         calls = [
             client.invoke_endpoint_async(
-                EndpointName="arbiter", ContentType="application/json", Body=b"{}"
+                EndpointName="arbiter-async", ContentType="application/json", Body=b"{}"
             )
             for _ in range(5)
         ]
@@ -175,14 +174,15 @@ def test_at_most_max_concurrent_invocations_reach_the_container(endpoint: str) -
         while fake.active < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)  # room for a third, if the bound were wrong
-        assert fake.active == 2 and metric(api, "arbiter_runtime_async_backlog") == 5
+        assert fake.active == 2
+        assert metric_becomes(api, "arbiter_runtime_async_backlog", 5) == 5
         release.set()
         outputs = [poll(s3, c["OutputLocation"]) for c in calls]
     assert fake.most_active == 2
     assert outputs == [b'{"ok": true}'] * 5
 
 
-def test_an_invocation_over_its_timeout_fails_without_an_object(endpoint: str) -> None:
+def test_an_invocation_over_its_timeout_fails_with_a_failure_object(endpoint: str) -> None:
     s3 = make_bucket(endpoint)
     with stand_in() as (fake, url), front(url, endpoint) as api:
         topics = subscribe(endpoint)
@@ -193,14 +193,16 @@ def test_an_invocation_over_its_timeout_fails_without_an_object(endpoint: str) -
 
         fake.respond = slow
         got = runtime(api).invoke_endpoint_async(
-            EndpointName="arbiter",
+            EndpointName="arbiter-async",
             ContentType="application/json",
             Body=b"{}",
             InvocationTimeoutSeconds=1,
         )
         [note] = notifications(endpoint, topics["error"])
+        failure = json.loads(poll(s3, got["FailureLocation"]))
     assert note["failureReason"].startswith("Invocation timed out")
-    assert not exists(s3, got["OutputLocation"]) and not exists(s3, got["FailureLocation"])
+    assert failure["failureReason"] == note["failureReason"]
+    assert not exists(s3, got["OutputLocation"])
 
 
 def test_output_names_inline_bodies_and_missing_inputs(endpoint: str) -> None:
@@ -209,7 +211,7 @@ def test_output_names_inline_bodies_and_missing_inputs(endpoint: str) -> None:
         topics = subscribe(endpoint)
         client = runtime(api)
         named = client.invoke_endpoint_async(
-            EndpointName="arbiter",
+            EndpointName="arbiter-async",
             ContentType="application/json",
             Body=b'{"x": 1}',
             S3OutputPathExtension="team/a",
@@ -220,16 +222,20 @@ def test_output_names_inline_bodies_and_missing_inputs(endpoint: str) -> None:
         assert fake.seen[0]["body"] == b'{"x": 1}'
         assert fake.seen[0]["headers"]["Content-Type"] == "application/json"
         missing = client.invoke_endpoint_async(
-            EndpointName="arbiter", InputLocation=f"s3://{BUCKET}/async/input/none.jsonl"
+            EndpointName="arbiter-async", InputLocation=f"s3://{BUCKET}/async/input/none.jsonl"
         )
         notes = notifications(endpoint, topics["error"])
         with pytest.raises(client.exceptions.ValidationError):
-            client.invoke_endpoint_async(EndpointName="arbiter")  # neither input nor body
+            client.invoke_endpoint_async(EndpointName="arbiter-async")  # neither input nor body
         with pytest.raises(client.exceptions.ValidationError):
-            client.invoke_endpoint_async(EndpointName="arbiter", InputLocation="/tmp/x.json")
+            client.invoke_endpoint_async(EndpointName="arbiter-async", InputLocation="/tmp/x.json")
     [note] = notes
     assert note["inferenceId"] == missing["InferenceId"]
     assert "could not read the input" in note["failureReason"]
+    assert (
+        "could not read the input"
+        in json.loads(poll(s3, missing["FailureLocation"]))["failureReason"]
+    )
     assert len(fake.seen) == 1
     assert aws("sns", endpoint).list_topics()["Topics"]  # the template's topics exist
 
@@ -247,11 +253,11 @@ def test_a_full_backlog_answers_service_unavailable(endpoint: str) -> None:
         client = runtime(api, retries={"max_attempts": 1, "mode": "standard"})
         for _ in range(2):
             client.invoke_endpoint_async(
-                EndpointName="arbiter", ContentType="application/json", Body=b"{}"
+                EndpointName="arbiter-async", ContentType="application/json", Body=b"{}"
             )
         with pytest.raises(ClientError) as caught:
             client.invoke_endpoint_async(
-                EndpointName="arbiter", ContentType="application/json", Body=b"{}"
+                EndpointName="arbiter-async", ContentType="application/json", Body=b"{}"
             )
         release.set()
     assert caught.value.response["Error"]["Code"] == "ServiceUnavailable"

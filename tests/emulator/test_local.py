@@ -61,12 +61,14 @@ def test_arbiter_local_serves_the_runtime_api_in_front_of_its_container() -> Non
         assert url.startswith("http://127.0.0.1:"), "".join(lines)
         client = runtime(url)
         body = json.dumps({"decision": decision_body("local-1")})
-        while True:  # the container loads its model: ModelError 503 until then
+        while True:  # the container starts, then loads its model: ModelError 503 until then
             try:
                 got = client.invoke_endpoint(
                     EndpointName="arbiter", ContentType="application/json", Body=body
                 )
                 break
+            except client.exceptions.ModelNotReadyException:
+                pass  # nothing listens at the container's port yet (botocore retried it, too)
             except client.exceptions.ModelError as error:
                 assert error.response["OriginalStatusCode"] == 503
                 assert time.monotonic() < deadline + 120, "the container never became ready"

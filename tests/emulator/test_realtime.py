@@ -191,7 +191,9 @@ def test_a_container_that_does_not_answer_in_time_is_a_model_error_with_status_0
     )
 
 
-def test_no_container_is_service_unavailable(endpoint: str) -> None:
+def test_no_container_is_model_not_ready(endpoint: str) -> None:
+    """Nothing answers /ping: the call never reaches a container (ModelNotReadyException, 429),
+    as traffic reaches an instance on AWS only once its health check passes."""
     with front("http://127.0.0.1:9", endpoint) as api:
         client = runtime(api, retries={"max_attempts": 1, "mode": "standard"})
         exc = error_of(
@@ -199,5 +201,46 @@ def test_no_container_is_service_unavailable(endpoint: str) -> None:
                 EndpointName="arbiter", ContentType="text/csv", Body=b"1"
             )
         )
-    assert exc.response["Error"]["Code"] == "ServiceUnavailable"
-    assert "arbiter serve" in exc.response["Error"]["Message"]
+    assert exc.response["Error"]["Code"] == "ModelNotReadyException"
+    assert exc.response["ResponseMetadata"]["HTTPStatusCode"] == 429
+
+
+def test_each_endpoint_answers_only_its_modes_operations(endpoint: str) -> None:
+    """`arbiter runtime` serves serving.yaml's two modes under two names, one of each, as
+    `arbiter local` does: the other operations answer ValidationError, as on AWS an endpoint with an
+    AsyncInferenceConfig accepts only asynchronous invocations."""
+    with stand_in() as (fake, url), front(url, endpoint) as api:
+        client = runtime(api)
+        on_async = error_of(
+            lambda: client.invoke_endpoint(EndpointName="arbiter-async", Body=b"{}")
+        )
+        on_async_stream = error_of(
+            lambda: client.invoke_endpoint_with_response_stream(
+                EndpointName="arbiter-async", Body=b"{}"
+            )
+        )
+        on_real_time = error_of(
+            lambda: client.invoke_endpoint_async(EndpointName="arbiter", Body=b"{}")
+        )
+        answered = client.invoke_endpoint(EndpointName="arbiter", Body=b"{}")
+        assert answered["Body"].read() == b'{"ok": true}'
+    for error in (on_async, on_async_stream, on_real_time):
+        assert error.response["Error"]["Code"] == "ValidationError"
+        assert error.response["ResponseMetadata"]["HTTPStatusCode"] == 400
+    assert "use InvokeEndpointAsync" in on_async.response["Error"]["Message"]
+    assert "use InvokeEndpoint." in on_real_time.response["Error"]["Message"]
+    assert answered["ResponseMetadata"]["HTTPStatusCode"] == 200
+    assert len(fake.seen) == 1
+
+
+def test_a_front_can_serve_one_mode_alone(endpoint: str) -> None:
+    with stand_in() as (fake, url), front(url, endpoint, async_endpoint_name="") as api:
+        client = runtime(api)
+        gone = error_of(
+            lambda: client.invoke_endpoint_async(EndpointName="arbiter-async", Body=b"{}")
+        )
+        assert client.invoke_endpoint(EndpointName="arbiter", Body=b"{}")["Body"].read()
+    assert gone.response["Error"]["Message"] == (
+        "Endpoint arbiter-async of account 123456789012 not found."
+    )
+    assert len(fake.seen) == 1

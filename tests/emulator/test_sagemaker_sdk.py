@@ -62,13 +62,16 @@ def test_async_predictor_uploads_waits_and_reads_the_output(
     make_bucket(endpoint)
     with container(engine) as url, front(url, endpoint) as api:
         predictor = Predictor(
-            "arbiter",
+            "arbiter-async",
             sagemaker_session=session(sdk, monkeypatch, api, endpoint),
             serializer=JSONLinesSerializer(),
             deserializer=JSONLinesDeserializer(),
         )
         waiting = AsyncPredictor(predictor).predict_async(
             data=[decision_body("a"), decision_body("b")],
+            # The SDK's default upload prefix (async-endpoint-inputs/) is not what the endpoint's
+            # role may read (serving.yaml grants async/input/*): on AWS it is AccessDenied, here too.
+            input_path=f"s3://{BUCKET}/async/input/sdk-ab.jsonl",
             # The SDK sends no ContentType of its own for async calls (SageMaker would then pass
             # the container none either): the application names it, here as on AWS.
             initial_args={"ContentType": "application/jsonlines"},

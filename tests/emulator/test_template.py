@@ -88,3 +88,11 @@ def test_short_form_intrinsics_parse_as_their_long_forms() -> None:
         "C": {"Fn::Sub": ["${a}", {"a": 1}]},
         "D": {"Fn::If": ["C", 1, 2]},
     }
+
+
+def test_a_real_time_endpoint_is_the_templates_realtime_config() -> None:
+    spec = endpoint_spec(bucket="b-5", max_in_flight=None, mode="realtime")
+    assert spec.mode == "realtime" and spec.asynchronous is None
+    assert spec.variant == "AllTraffic"  # RealtimeEndpointConfig's VariantName
+    with pytest.raises(TemplateError):
+        endpoint_spec(bucket="b-5", max_in_flight=None, mode="none")

@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 
 from arbiter.cli import main
-from tests.emulator.support import BUCKET, aws, container, make_bucket, stand_in
-from tests.fakes import decision_line
+from tests.emulator.support import BUCKET, aws, container, stand_in
+from tests.fakes import FakeEngine, decision_line
 
 pytestmark = pytest.mark.timeout(300)
 IN, OUT = f"s3://{BUCKET}/transform/in/", f"s3://{BUCKET}/transform/out/"
@@ -52,12 +52,6 @@ def direct(url: str, body: bytes) -> bytes:
 def padded(i: int, pad: int) -> str:
     """Decision d<i> as a line of ``pad`` more bytes (whitespace: the same decision, bigger)."""
     return "{" + " " * pad + decision_line(i)[1:]
-
-
-@pytest.fixture
-def local_s3(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("ARBITER_AWS_ENDPOINT_URL", endpoint)
-    return make_bucket(endpoint)
 
 
 @pytest.mark.real_model
@@ -244,3 +238,167 @@ def test_a_tag_is_refused_before_any_call(capsys: Any) -> None:
         ]
     )
     assert code == 2 and "not pinned by digest" in capsys.readouterr().err
+
+
+def test_objects_are_independent_one_failing_does_not_stop_the_others(
+    local_s3: Any, capsys: Any
+) -> None:
+    """Three objects, the container refusing one (415): the other two outputs are uploaded, as
+    AWS uploads them; the job fails, naming the object that failed."""
+    for name in ("a", "b", "c"):
+        local_s3.put_object(Bucket=BUCKET, Key=f"transform/in/{name}.jsonl", Body=f"{name}\n")
+    with stand_in() as (fake, url):
+
+        async def refuse_b(request: web.Request) -> web.Response:
+            body = await request.read()
+            await asyncio.sleep(0.3 if body == b"a\n" else 0)  # a is still running when b fails
+            return web.Response(status=415 if body == b"b\n" else 200, body=body.upper())
+
+        fake.respond = refuse_b
+        code, summary = transform(
+            capsys, "--container-url", url, "--max-concurrent-transforms", "3"
+        )
+    assert code == 1 and summary["TransformJobStatus"] == "Failed"
+    assert "415" in summary["FailureReason"]
+    assert [f["input"] for f in summary["FailedObjects"]] == [f"{IN}b.jsonl"]
+    keys = {
+        o["Key"]
+        for o in local_s3.list_objects_v2(Bucket=BUCKET, Prefix="transform/out/")["Contents"]
+    }
+    assert keys == {"transform/out/a.jsonl.out", "transform/out/c.jsonl.out"}
+    got = local_s3.get_object(Bucket=BUCKET, Key="transform/out/a.jsonl.out")["Body"].read()
+    assert got == b"A\n"
+
+
+def test_max_concurrent_transforms_0_takes_the_containers(local_s3: Any, capsys: Any) -> None:
+    local_s3.put_object(Bucket=BUCKET, Key="transform/in/a.jsonl", Body=b"a\n")
+    with stand_in() as (fake, url):
+        fake.execution = {"MaxConcurrentTransforms": 3, "BatchStrategy": "MULTI_RECORD"}
+        code, summary = transform(
+            capsys, "--container-url", url, "--max-concurrent-transforms", "0"
+        )
+    assert code == 0, summary
+    assert summary["MaxConcurrentTransforms"] == 3
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        ("--instance-type", "ml.bogus.huge", "ml.bogus.huge"),
+        ("--instance-count", "0", "InstanceCount"),
+    ],
+)
+def test_the_dry_run_refuses_what_sagemakers_model_refuses(
+    capsys: Any, flag: str, value: str, said: str
+) -> None:
+    code = main(["transform", IN, OUT, "--aws", "--dry-run", "--model-name", "m", flag, value])
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and "refused" in err
+
+
+def test_the_containers_payload_is_sized_to_the_jobs_timeout(local_s3: Any, capsys: Any) -> None:
+    """The running container (its own ARBITER_BATCH_INVOCATION_TIMEOUT_S 600 s) offers the
+    MaxPayloadInMB that fits the job's InvocationsTimeoutInSeconds, as a container started with the
+    job's Environment does on AWS: an hour's job gets larger mini-batches."""
+    local_s3.put_object(Bucket=BUCKET, Key="transform/in/a.jsonl", Body=b"a\n")
+    offered = {}
+    with container(FakeEngine(delay_s=0.2), batch_invocation_timeout_s=600) as url:
+        for timeout in ("600", "3600"):
+            code, summary = transform(
+                capsys, "--container-url", url, "--invocations-timeout", timeout
+            )
+            assert code == 0, summary
+            offered[timeout] = summary["MaxPayloadInMB"]
+    assert offered["600"] == 1 and offered["3600"] > 1, offered
+
+
+def test_a_manifest_file_names_the_objects_to_transform(local_s3: Any, capsys: Any) -> None:
+    """S3DataType=ManifestFile: the manifest's prefix followed by each path is an input (and only
+    those: a sibling object is not); each .out is named by its path relative to the prefix."""
+    objects = {"day-1/a.jsonl": b"a\n", "day-2/b.jsonl": b"b\n", "day-2/skipped.jsonl": b"s\n"}
+    for path, body in objects.items():
+        local_s3.put_object(Bucket=BUCKET, Key=f"transform/data/{path}", Body=body)
+    manifest = [{"prefix": f"s3://{BUCKET}/transform/data/"}, "day-1/a.jsonl", "day-2/b.jsonl"]
+    local_s3.put_object(
+        Bucket=BUCKET, Key="transform/jobs/nightly.manifest", Body=json.dumps(manifest).encode()
+    )
+    with stand_in() as (fake, url):
+
+        async def upper(request: web.Request) -> web.Response:
+            return web.Response(body=(await request.read()).upper())
+
+        fake.respond = upper
+        code = main(
+            [
+                "transform",
+                f"s3://{BUCKET}/transform/jobs/nightly.manifest",
+                OUT,
+                "--data-type",
+                "ManifestFile",
+                "--container-url",
+                url,
+            ]
+        )
+    out = capsys.readouterr().out
+    summary = json.JSONDecoder().raw_decode(out[out.find("{\n") :])[0]
+    assert code == 0, summary
+    assert sorted(s["body"] for s in fake.seen) == [b"a\n", b"b\n"]
+    keys = sorted(
+        o["Key"]
+        for o in local_s3.list_objects_v2(Bucket=BUCKET, Prefix="transform/out/")["Contents"]
+    )
+    assert keys == ["transform/out/day-1/a.jsonl.out", "transform/out/day-2/b.jsonl.out"]
+    got = local_s3.get_object(Bucket=BUCKET, Key="transform/out/day-2/b.jsonl.out")["Body"].read()
+    assert got == b"B\n"
+
+
+@pytest.mark.parametrize(
+    ("manifest", "said"),
+    [
+        (b"not json", "is not JSON"),
+        (b'["day-1/a.jsonl"]', 'first element is {"prefix"'),
+        (b'[{"prefix": "s3://b/p/"}, 3]', "element 1 is not a path"),
+        (b'[{"prefix": "s3://b/p/"}]', "no input objects in the manifest"),
+    ],
+)
+def test_a_bad_manifest_fails_the_job_saying_why(
+    local_s3: Any, capsys: Any, manifest: bytes, said: str
+) -> None:
+    local_s3.put_object(Bucket=BUCKET, Key="transform/m.manifest", Body=manifest)
+    with stand_in() as (fake, url):
+        code = main(
+            [
+                "transform",
+                f"s3://{BUCKET}/transform/m.manifest",
+                OUT,
+                "--data-type",
+                "ManifestFile",
+                "--container-url",
+                url,
+            ]
+        )
+    out = capsys.readouterr().out
+    summary = json.JSONDecoder().raw_decode(out[out.find("{\n") :])[0]
+    assert code == 1 and said in summary["FailureReason"], summary
+    assert fake.seen == []
+
+
+def test_augmented_manifest_file_is_refused_as_sagemaker_documents(capsys: Any) -> None:
+    """TransformS3DataSource: "The following value is not compatible: AugmentedManifestFile";
+    refused before anything runs, locally and for --aws alike."""
+    for extra in ([], ["--aws", "--dry-run", "--model-name", "m"]):
+        code = main(["transform", IN, OUT, "--data-type", "AugmentedManifestFile", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and "not compatible with batch transform" in err, err
+
+
+def test_aws_dry_run_sends_the_manifest_data_type(capsys: Any) -> None:
+    code, printed = transform(
+        capsys, "--aws", "--dry-run", "--model-name", "m", "--data-type", "ManifestFile"
+    )
+    job = json.loads(printed.splitlines()[0])["params"]
+    assert code == 0
+    assert job["TransformInput"]["DataSource"]["S3DataSource"] == {
+        "S3DataType": "ManifestFile",
+        "S3Uri": IN,
+    }

@@ -217,8 +217,10 @@ def test_two_profiles_are_compared_on_one_labeled_file(
         assert cmd_eval(_args(*argv), io.StringIO()) == 0
         reports[name] = json.loads((out / "eval-report.json").read_text())
     assert reports["builtin"]["prompt_version"] == "arbiter-letters-v1/plain"
-    assert reports["mine"]["prompt_version"] == "terse-v1/plain"
-    assert reports["mine"]["prompt_profile_sha256"] == hashlib.sha256(mine.encode()).hexdigest()
+    digest = hashlib.sha256(mine.encode()).hexdigest()
+    # A profile of one's own carries its file's digest, so a file named like a built-in is told apart.
+    assert reports["mine"]["prompt_version"] == f"terse-v1@{digest[:12]}/plain"
+    assert reports["mine"]["prompt_profile_sha256"] == digest
     assert reports["builtin"]["prompt_profile_sha256"] != reports["mine"]["prompt_profile_sha256"]
     assert reports["mine"]["overall"]["n"] == reports["builtin"]["overall"]["n"] == 3
     # An endpoint serves the profile it was started with: --profile with --url is refused.

@@ -8,19 +8,27 @@ holds. For every request a plan (``decide``) picks an :class:`Action`:
   answer: botocore sees a reset and sends the same request again (a committed write whose 200 was
   lost: S3 documents a 500 after a commit, and read timeouts do the same);
 - ``fail_503`` / ``fail_500``: answer ``SlowDown`` (S3) or ``InternalError`` without forwarding;
+- ``conflict_409``: answer an S3 write 409 ``ConditionalRequestConflict`` without forwarding (S3's
+  answer to a conditional write while another conditional write to the key is in flight; moto's
+  lock makes it impossible there);
 - ``fake_delete``: answer an SQS ``DeleteMessage``/``DeleteMessageBatch`` with success without
   forwarding, so the message comes back after its visibility timeout;
 - ``duplicate``: forward an SQS ``SendMessage``/``SendMessageBatch`` twice (a duplicate delivery);
 - ``redeliver``: answer a ``ReceiveMessage`` with the message another worker received last, still
-  in its hands (SQS's at-least-once: the same message, in flight, delivered to a second consumer);
+  in its hands (SQS's at-least-once: the same message, in flight, delivered to a second consumer),
+  as SQS delivers it: with a receipt handle of its own (the proxy maps it back to the real one on
+  the way to the endpoint) and ``ApproximateReceiveCount`` one higher;
 - ``delay``: forward after a pause (a slow request, so a race can be set up);
-- ``kill_before`` / ``kill_after``: the worker dies before this request reaches the endpoint, or
-  just after the endpoint committed it; from then on every request of that worker is dropped unsent
+- ``kill_before`` / ``kill_after`` / ``kill_during``: the worker dies before this request reaches
+  the endpoint, just after the endpoint committed it, or inside it (half of the answer's body
+  sent: a read cut off mid-stream); from then on every request of that worker is dropped unsent
   (``on_kill`` is told, to cancel the worker's tasks), so no ``finally`` of a dead worker can touch
   the world;
 - ``forbid_missing`` turns a 404 on GET/HEAD of an object into the 403 ``AccessDenied`` that S3
   answers a role without ``s3:ListBucket``; ``missing`` answers a GET/HEAD ``NoSuchKey`` without
-  forwarding (an object deleted behind the worker's back, as this worker sees it).
+  forwarding (an object deleted behind the worker's back, as this worker sees it); ``deny`` answers
+  403 ``AccessDenied`` without forwarding (a role without the grant: with ``Call.version``, what
+  AWS answers a ``?versionId=`` read by a role without ``s3:GetObjectVersion``).
 
 The proxy also reads SQS ``ReceiveMessage`` answers, so a plan knows which message (and which receive
 of it) a worker is handling when it decides.
@@ -54,11 +62,14 @@ ACTIONS = (
     "lose_response",
     "fail_503",
     "fail_500",
+    "conflict_409",
     "fake_delete",
     "duplicate",
     "kill_before",
     "kill_after",
+    "kill_during",
     "forbid_missing",
+    "deny",
     "missing",
     "delay",
     "redeliver",
@@ -93,6 +104,7 @@ class Call:
     number: int  # this worker's n-th request (from 1)
     held: Held | None  # the message this worker handles now
     conditional: bool = False  # an S3 write with If-None-Match or If-Match
+    version: bool = False  # an S3 request that names an object version (``?versionId=``)
 
     @property
     def write(self) -> bool:
@@ -178,8 +190,10 @@ class FaultProxy:
     on_kill: Callable[[int], None] | None = None
     counts: Counter[str] = field(default_factory=Counter)
     log: list[tuple[int, str, str, str]] = field(default_factory=list)  # worker, op, key, action
+    latency_s: float = 0.0  # added to every request before it is forwarded (a distant endpoint)
 
     def __post_init__(self) -> None:
+        self._aliases: dict[str, str] = {}  # receipt handles of redeliveries -> the real ones
         self._workers: dict[int, _Worker] = {}
         self._ports: dict[int, int] = {}
         self._sites: dict[int, web.TCPSite] = {}
@@ -247,6 +261,10 @@ class FaultProxy:
             return early
         if action == "delay":
             await asyncio.sleep(2.5)
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        if call.service == "sqs" and self._aliases:
+            body = self._unalias(body)
         status, headers, data = await self._forward(request, body)
         if action == "duplicate" and call.op in ("SendMessage", "SendMessageBatch"):
             await self._forward(request, body)
@@ -255,6 +273,8 @@ class FaultProxy:
         if action == "kill_after":
             self.kill(worker)
             return self._drop(request, "dead")
+        if action == "kill_during":
+            return await self._cut_off(request, status, headers, data, worker)
         if action == "lose_response":
             return self._drop(request, "lost")
         if action == "forbid_missing" and status == 404 and call.op in ("GetObject", "HeadObject"):
@@ -270,8 +290,12 @@ class FaultProxy:
             return self._drop(request, "dead")
         if action in ("fail_503", "fail_500"):
             return _error(call.service, 503 if action == "fail_503" else 500)
+        if action == "conflict_409" and call.service == "s3":
+            return _error("s3", 409)
         if action == "missing" and call.op in ("GetObject", "HeadObject"):
             return _error("s3", 404)
+        if action == "deny":
+            return _error(call.service, 403)
         if action == "fake_delete" and call.op in ("DeleteMessage", "DeleteMessageBatch"):
             return _fake_delete(call.op, body)
         if action == "redeliver" and call.op == "ReceiveMessage":
@@ -279,11 +303,54 @@ class FaultProxy:
                 (w for n, w in self._workers.items() if n != call.worker and w.received), None
             )
             if other is not None and other.received is not None:
-                state.held = _held(other.received)
+                again = self._second_delivery(other.received)
+                state.held = _held(again)
                 return web.Response(
-                    status=200, body=other.received, content_type="application/x-amz-json-1.0"
+                    status=200, body=again, content_type="application/x-amz-json-1.0"
                 )
         return None
+
+    def _second_delivery(self, received: bytes) -> bytes:
+        """A ``ReceiveMessage`` answer as SQS gives it to a second consumer: each message with a
+        receipt handle of its own and its receive count one higher."""
+        doc = json.loads(received)
+        for message in doc.get("Messages", []):
+            handle = message["ReceiptHandle"]
+            alias = f"{handle}~{len(self._aliases) + 1}"
+            self._aliases[alias] = self._aliases.get(handle, handle)
+            message["ReceiptHandle"] = alias
+            attributes = message.setdefault("Attributes", {})
+            attributes["ApproximateReceiveCount"] = str(
+                int(attributes.get("ApproximateReceiveCount", "1")) + 1
+            )
+        return json.dumps(doc).encode()
+
+    def _unalias(self, body: bytes) -> bytes:
+        """An SQS request with the real receipt handles of redeliveries (see _second_delivery)."""
+        if b"~" not in body:
+            return body
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            doc = json.loads(body)
+            for entry in [doc, *doc.get("Entries", [])]:
+                if entry.get("ReceiptHandle") in self._aliases:
+                    entry["ReceiptHandle"] = self._aliases[entry["ReceiptHandle"]]
+            return json.dumps(doc).encode()
+        return body
+
+    async def _cut_off(
+        self, request: web.Request, status: int, headers: Any, data: bytes, worker: int
+    ) -> web.StreamResponse:
+        """Send half of the answer, then kill the worker (a kill inside a request)."""
+        response = _response(request, status, headers, data)
+        stream = web.StreamResponse(status=status, headers=response.headers)
+        stream.content_length = len(data)
+        await stream.prepare(request)
+        await stream.write(data[: len(data) // 2])
+        self.kill(worker)
+        self.counts["dropped_dead"] += 1
+        if request.transport is not None:
+            request.transport.close()
+        return stream
 
     def _call(self, request: web.Request, body: bytes, worker: int, state: _Worker) -> Call:
         state.number += 1
@@ -300,7 +367,8 @@ class FaultProxy:
         query = parse_qs(request.query_string, keep_blank_values=True)
         op, key = s3_op(request.method, request.path, query, request.headers)
         conditional = "If-None-Match" in request.headers or "If-Match" in request.headers
-        return Call(worker, "s3", op, key, state.number, state.held, conditional)
+        version = "versionId" in query
+        return Call(worker, "s3", op, key, state.number, state.held, conditional, version)
 
     async def _forward(self, request: web.Request, body: bytes) -> tuple[int, Any, bytes]:
         assert self._session is not None
@@ -359,6 +427,10 @@ def _error(service: str, status: int) -> web.Response:
         503: ("SlowDown", "Please reduce your request rate."),
         500: ("InternalError", "We encountered an internal error. Please try again."),
         403: ("AccessDenied", "Access Denied"),
+        409: (
+            "ConditionalRequestConflict",
+            "A conflicting conditional operation is currently in progress against this resource.",
+        ),
         404: ("NoSuchKey", "The specified key does not exist."),
     }[status]
     xml = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>{message}</Message></Error>"

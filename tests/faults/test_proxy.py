@@ -137,3 +137,48 @@ async def test_a_role_without_list_bucket_sees_403_for_a_missing_key(endpoint: s
                 await s3.head_object(Bucket="jobs", Key="missing")
         assert head["ContentLength"] == 5  # a HEAD's length survives the proxy
         assert denied.value.response["Error"]["Code"] in ("403", "AccessDenied")
+
+
+async def test_a_second_delivery_has_its_own_handle_and_one_more_receive(endpoint: str) -> None:
+    """As SQS delivers a message in flight to a second consumer: a receipt handle of its own (that
+    works: the proxy maps it back), ``ApproximateReceiveCount`` one higher."""
+    async with proxied(endpoint) as (proxy, script):
+        s3_1c, sqs1_c = _clients(await proxy.endpoint(1))
+        s3_2c, sqs2_c = _clients(await proxy.endpoint(2))
+        async with s3_1c, s3_2c, sqs1_c as sqs1, sqs2_c as sqs2:
+            url = (await sqs1.create_queue(QueueName="again"))["QueueUrl"]
+            await sqs1.send_message(QueueUrl=url, MessageBody="once")
+            attrs = {"MessageSystemAttributeNames": ["ApproximateReceiveCount"]}
+            [held] = (await sqs1.receive_message(QueueUrl=url, **attrs))["Messages"]
+            script.once["ReceiveMessage"] = "redeliver"
+            [again] = (await sqs2.receive_message(QueueUrl=url, **attrs))["Messages"]
+            await sqs2.change_message_visibility(
+                QueueUrl=url, ReceiptHandle=again["ReceiptHandle"], VisibilityTimeout=5
+            )
+            await sqs2.delete_message(QueueUrl=url, ReceiptHandle=again["ReceiptHandle"])
+            left = await receive_all(sqs2, url, wait=1)
+    assert again["Body"] == "once" and again["ReceiptHandle"] != held["ReceiptHandle"]
+    assert held["Attributes"]["ApproximateReceiveCount"] == "1"
+    assert again["Attributes"]["ApproximateReceiveCount"] == "2"
+    assert left == []  # its own handle deleted the message
+
+
+async def test_a_409_and_a_kill_inside_a_read(endpoint: str) -> None:
+    async with proxied(endpoint) as (proxy, script):
+        s3c, sqsc = _clients(await proxy.endpoint(1), retries={"total_max_attempts": 1})
+        async with aws_clients(endpoint) as (direct, _), s3c as s3, sqsc:
+            await direct.create_bucket(Bucket="jobs")
+            await direct.put_object(Bucket="jobs", Key="big", Body=b"x" * 100_000)
+            script.once["PutObject"] = "conflict_409"
+            with pytest.raises(ClientError) as conflict:
+                await s3.put_object(Bucket="jobs", Key="new", Body=b"x", IfNoneMatch="*")
+            script.once["GetObject"] = "kill_during"
+            got = await s3.get_object(Bucket="jobs", Key="big")
+            with pytest.raises(Exception):  # noqa: B017 - cut off mid-body, whatever aiohttp names it
+                async with got["Body"] as body:
+                    await body.read()
+            listed = await direct.list_objects_v2(Bucket="jobs")
+    assert conflict.value.response["Error"]["Code"] == "ConditionalRequestConflict"
+    assert conflict.value.response["ResponseMetadata"]["HTTPStatusCode"] == 409
+    assert [o["Key"] for o in listed["Contents"]] == ["big"]  # the 409 wrote nothing
+    assert proxy.dead(1)

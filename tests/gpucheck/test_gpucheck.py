@@ -138,11 +138,11 @@ def test_the_device_call_fits_the_tools_limits() -> None:
     assert ignored.returncode == 0  # carried paths must be ignored ones (else they travel twice)
 
 
-def test_the_readme_gives_the_device_call_as_the_code_makes_it() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert plan.DEVICE_COMMAND in readme
-    assert json.dumps(list(plan.DEVICE_CARRY)) in readme
-    assert f"timeout_s: {plan.DEVICE_TIMEOUT_S}" in readme
+def test_the_docs_give_the_device_call_as_the_code_makes_it() -> None:
+    page = (ROOT / "docs" / "gpu-check.md").read_text()
+    assert plan.DEVICE_COMMAND in page
+    assert json.dumps(list(plan.DEVICE_CARRY)) in page
+    assert f"timeout_s: {plan.DEVICE_TIMEOUT_S}" in page
 
 
 def test_cuda_build_takes_cublas_from_nvidias_wheel_when_the_toolkit_has_none(

@@ -20,9 +20,9 @@ from infra.deploy import (
     DeployConfig,
     DeployError,
     build_plan,
-    deploy,
     parse_image,
 )
+from infra.deploy_run import deploy
 from infra.package_model import package_model
 from tests.aws import moto_endpoint, reset_moto
 from tests.infra.test_package_model import fake_gguf

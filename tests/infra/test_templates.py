@@ -184,7 +184,11 @@ def test_worker_role_is_least_privilege(serving: dict[str, Any]):
     shard_prefix = granted["WorkShards"]["Resource"]["Fn::Sub"][1]["Prefix"]
     assert shard_prefix == {"Fn::ImportValue": {"Fn::Sub": "${DataStack}-ShardPrefix"}}
     listed = granted["ListJobsResultsAndShardsOnly"]["Condition"]["StringLike"]["s3:prefix"]
-    assert [p["Fn::Sub"][1]["Prefix"] for p in listed] == [input_prefix, output_prefix, shard_prefix]
+    assert [p["Fn::Sub"][1]["Prefix"] for p in listed] == [
+        input_prefix,
+        output_prefix,
+        shard_prefix,
+    ]
 
 
 def test_no_wildcard_grants_beyond_the_unscopable(serving: dict[str, Any]):
@@ -236,3 +240,31 @@ def test_container_environment_names_real_settings(serving: dict[str, Any]):
     assert names <= known, names - known
     assert container["Command"] == ["work"]
     assert container["StopTimeout"] == 120
+
+
+def test_a_versioned_bucket_sheds_the_workers_old_versions_and_markers(data: dict[str, Any]):
+    """On a versioned bucket the clean-up's deletes only add markers and every status count a
+    version (a 40-line job left 31 noncurrent shard versions, 31 markers and 12 status versions,
+    for ever): the shard prefix's noncurrent versions and then its markers expire, and under the
+    output prefix only objects with more than a few noncurrent versions (a status) lose the older
+    ones; inputs are the user's and have no rule."""
+    rules = {r["Id"]: r for r in props(data, "Bucket")["LifecycleConfiguration"]["Rules"]}
+    shards = rules["expire-noncurrent-shard-versions"]
+    assert shards["Prefix"] == {"Ref": "ShardPrefix"} and shards["Status"] == "Enabled"
+    assert shards["NoncurrentVersionExpiration"]["NoncurrentDays"] <= 7
+    markers = rules["expire-shard-delete-markers"]
+    assert markers["Prefix"] == {"Ref": "ShardPrefix"} and markers["ExpiredObjectDeleteMarker"]
+    status = rules["expire-noncurrent-status-versions"]
+    assert status["Prefix"] == {"Ref": "OutputPrefix"} and status["Status"] == "Enabled"
+    assert status["NoncurrentVersionExpiration"]["NewerNoncurrentVersions"] >= 1
+    assert not any(r.get("Prefix") == {"Ref": "InputPrefix"} for r in rules.values())
+
+
+def test_the_worker_reads_current_versions_only(serving: dict[str, Any]):
+    """The worker reads a job's current version with If-Match on the event's ETag, never by
+    VersionId (worker/jobs.py, locate): its role needs no s3:GetObjectVersion, on a versioned
+    bucket or not (tests/worker/test_versioned.py runs jobs under a proxy that denies it)."""
+    granted = set().union(
+        *(actions(s) for s in statements(serving["Resources"]["WorkerTaskRole"]).values())
+    )
+    assert "s3:GetObject" in granted and "s3:GetObjectVersion" not in granted

@@ -3,9 +3,17 @@
 loses the answers of committed writes, answers SQS deletes without deleting and refuses requests
 with 503 SlowDown, while worker processes are SIGKILLed at random (the pool restarts them). Every
 job must finish with every line once, in order, the single path's records, a true summary, a
-finished status, nothing left behind and an empty DLQ.
+finished status, nothing left behind, no ``shard_failed`` line and an empty DLQ.
 
-    python -m tests.worker.blackbox                 # make faults; prints its figures as JSON
+Two scenarios (``make faults`` runs both):
+
+- ``faults``: three 240-line jobs in shards of 40 under random faults and kills;
+- ``outage``: three 120-line jobs in shards of 8 under the same, and from 15 s after the jobs are
+  dropped, 150 s in which every S3 request is answered 503 SlowDown (a store outage: no good line
+  may turn into ``shard_failed``, no message may reach the DLQ).
+
+    python -m tests.worker.blackbox                     # the faults scenario; figures as JSON
+    python -m tests.worker.blackbox --scenario outage   # the store outage
 """
 
 from __future__ import annotations
@@ -21,11 +29,12 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tests import ROOT
-from tests.aws import aws_clients, moto_endpoint, reset_moto, wait_for
+from tests.aws import aws_clients, moto_endpoint, receive_all, reset_moto, wait_for
 from tests.fakes import FakeEngine
 from tests.faults.proxy import Call, FaultProxy
 from tests.worker.fanout_support import job_body, job_lines, pending
@@ -54,30 +63,75 @@ class RandomFaults:
         return "forward"
 
 
+class Outage:
+    """Every S3 request answered 503 SlowDown from ``start_s`` after :meth:`begin` for
+    ``length_s`` (an outage of the store); any other request as ``inner`` decides."""
+
+    def __init__(self, inner: Callable[[Call], str], start_s: float, length_s: float) -> None:
+        self.inner, self.start_s, self.length_s = inner, start_s, length_s
+        self.began: float | None = None
+        self.refused = 0
+
+    def begin(self) -> None:
+        self.began = time.monotonic()
+
+    def __call__(self, call: Call) -> str:
+        if call.service == "s3" and self.began is not None:
+            since = time.monotonic() - self.began
+            if self.start_s <= since < self.start_s + self.length_s:
+                self.refused += 1
+                return "fail_503"
+        return self.inner(call)
+
+
 def _live_workers(pool: Proc) -> dict[int, int]:
-    """Worker slot -> pid of its latest process."""
+    """Worker slot -> pid of its latest process that is ready (a process killed while it still
+    imports exercises nothing but the restart, and under load it would be all a killer hits)."""
     live: dict[int, int] = {}
-    for event in pool.events("pool.worker_started"):
-        live[int(event["worker"])] = int(event["worker_pid"])
+    for event in pool.events("worker.ready"):
+        live[int(event["worker"])] = int(event["pid"])
     return live
 
 
+class Counted:
+    """Counts the requests the workers send (``decide`` answers each)."""
+
+    def __init__(self, decide: Callable[[Call], str]) -> None:
+        self.decide, self.calls = decide, 0
+
+    def __call__(self, call: Call) -> str:
+        self.calls += 1
+        return self.decide(call)
+
+
 async def _killer(
-    pool: Proc, rng: random.Random, every: tuple[float, float], kills: list[int]
+    pool: Proc,
+    rng: random.Random,
+    every: tuple[float, float],
+    kills: list[int],
+    requests: Counted,
+    per_kill: int,
 ) -> None:
+    """SIGKILL a random ready worker every ``every`` seconds, once the workers sent ``per_kill``
+    requests since the last kill: the kills per unit of work stay the same however loaded the
+    machine is (on a loaded one a killer on the clock alone kills every worker before it does
+    anything)."""
+    since = requests.calls
     while True:
         await asyncio.sleep(rng.uniform(*every))
         live = _live_workers(pool)
-        if live:
+        if live and requests.calls - since >= per_kill:
             pid = rng.choice(sorted(live.values()))
             try:
                 os.kill(pid, signal.SIGKILL)
                 kills.append(pid)
+                since = requests.calls
             except ProcessLookupError:
                 pass
 
 
-def _submit(env: dict[str, str], path: Path, timeout_s: float) -> dict[str, Any]:
+def _submit(env: dict[str, str], path: Path, timeout_s: float) -> dict[str, Any] | None:
+    """The job's summary; None if none came within ``timeout_s``."""
     done = subprocess.run(
         [sys.executable, "-m", "arbiter", "submit", str(path), "--timeout", str(timeout_s)],
         cwd=ROOT,
@@ -87,6 +141,8 @@ def _submit(env: dict[str, str], path: Path, timeout_s: float) -> dict[str, Any]
         timeout=timeout_s + 60,
         check=False,
     )
+    if done.returncode != 0 and "no summary after" in done.stderr:
+        return None
     if done.returncode != 0:
         raise AssertionError(
             f"arbiter submit {path.name}: {done.returncode}\n{done.stderr[-2000:]}"
@@ -103,15 +159,20 @@ async def blackbox(
     kill_every: tuple[float, float] = (0.3, 1.2),
     timeout_s: float = 300,
     engine_delay_s: float = 0.08,
+    outage: tuple[float, float] | None = None,
+    requests_per_kill: int = 50,
 ) -> dict[str, Any]:
-    """One black-box run (see the module doc); its figures, and what did not hold."""
+    """One black-box run (see the module doc); its figures, and what did not hold. ``outage``:
+    (start, length) in seconds of a store outage, counted from the jobs' drop."""
     started = time.monotonic()
     endpoint = moto_endpoint()
     reset_moto(endpoint)
     rng = random.Random(seed)
     settings = WorkerSettings(aws_endpoint_url=endpoint, bucket="jobs", max_line_bytes=400)
     faults = RandomFaults(seed, lose=0.05, slow_down=0.02, fake_delete=0.25)
-    proxy = FaultProxy(endpoint, faults)
+    store = Outage(faults, *outage) if outage else None
+    requests = Counted(store or faults)
+    proxy = FaultProxy(endpoint, requests)
     await proxy.start()
     kills: list[int] = []
     try:
@@ -137,9 +198,15 @@ async def blackbox(
             pool = Proc([sys.executable, "-m", "arbiter", "work"], env)
             try:
                 await asyncio.to_thread(pool.wait_event, "worker.ready", processes)
-                found = await _run_jobs(
-                    s3, sqs, stack, settings, pool, rng, jobs, lines, kills, kill_every, timeout_s
+                if store is not None:
+                    store.begin()
+                killer = asyncio.create_task(
+                    _killer(pool, rng, kill_every, kills, requests, requests_per_kill)
                 )
+                try:
+                    found = await _run_jobs(s3, sqs, stack, settings, jobs, lines, timeout_s)
+                finally:
+                    killer.cancel()
             finally:
                 pool.popen.send_signal(signal.SIGTERM)
                 try:
@@ -147,6 +214,10 @@ async def blackbox(
                 except subprocess.TimeoutExpired:
                     pool.kill_all()
             bad, summaries = found
+            if bad:
+                log = Path(tempfile.gettempdir()) / f"blackbox-{seed}-{os.getpid()}.log"
+                log.write_text("\n".join(pool.lines) + "\n")
+                bad.append(f"the workers' log: {log}")
     finally:
         await proxy.close()
     counts = Counter({k: v for k, v in proxy.counts.items() if not k.startswith("dropped")})
@@ -156,8 +227,15 @@ async def blackbox(
         "shard_lines": shard_lines,
         "worker_processes": processes,
         "sigkills": len(kills),
+        "requests": requests.calls,
         "worker_restarts": len(pool.events("pool.worker_started")) - processes,
+        "workers_ready": len(pool.events("worker.ready")),
+        "store_unavailable": len(pool.events("store.unavailable")),
+        "outage_retries": len(pool.events("message.outage")),
         "faults": dict(sorted(counts.items())),
+        "outage": {"start_s": outage[0], "length_s": outage[1], "s3_refused": store.refused}
+        if outage and store
+        else None,
         "summaries": summaries,
         "violations": bad,
         "wall_s": round(time.monotonic() - started, 1),
@@ -169,12 +247,8 @@ async def _run_jobs(
     sqs: Any,
     stack: dict[str, str],
     settings: WorkerSettings,
-    pool: Proc,
-    rng: random.Random,
     count: int,
     lines: int,
-    kills: list[int],
-    kill_every: tuple[float, float],
     timeout_s: float,
 ) -> tuple[list[str], list[dict[str, Any]]]:
     submit_env = {**os.environ, "PYTHONPATH": str(ROOT), "AWS_ACCESS_KEY_ID": "testing"}
@@ -189,16 +263,16 @@ async def _run_jobs(
             path = Path(tmp) / f"blackbox-{i}{suffix}"
             path.write_bytes(job_body(job_lines(lines, run=1 + i), suffix))
             paths.append(path)
-        killer = asyncio.create_task(_killer(pool, rng, kill_every, kills))
-        try:
-            summaries = await asyncio.gather(
-                *(asyncio.to_thread(_submit, submit_env, p, timeout_s) for p in paths)
-            )
+        summaries = await asyncio.gather(
+            *(asyncio.to_thread(_submit, submit_env, p, timeout_s) for p in paths)
+        )
+        if None not in summaries:
             await wait_for(lambda: _drained(sqs, stack["queue_url"]), within_s=60)
-        finally:
-            killer.cancel()
+        if None in summaries:
+            return await _unfinished(sqs, stack, paths, summaries, timeout_s), []
+        done = [s for s in summaries if s is not None]
         jobs = []
-        for path, summary in zip(paths, summaries, strict=True):
+        for path, summary in zip(paths, done, strict=True):
             body = path.read_bytes()
             key = f"incoming/{path.name}"
             expected, numbers = await single_path_records(key, body, settings, FakeEngine())
@@ -208,6 +282,10 @@ async def _run_jobs(
                 == summary["results_key"]
             )
     bad = await violations(s3, sqs, stack, settings, jobs)
+    for path, summary in zip(paths, done, strict=True):
+        lost = summary["errors_by_code"].get("shard_failed", 0)
+        if lost or summary.get("shards", {}).get("failed"):
+            bad.append(f"{path.name}: {lost} lines shard_failed (every shard could be scored)")
     brief = [
         {
             "lines": s["lines"],
@@ -216,23 +294,63 @@ async def _run_jobs(
             "shards": s.get("shards", {}).get("count"),
             "failed_shards": len(s.get("shards", {}).get("failed", [])),
         }
-        for s in summaries
+        for s in done
     ]
     return bad, brief
+
+
+async def _unfinished(
+    sqs: Any,
+    stack: dict[str, str],
+    paths: list[Path],
+    summaries: list[dict[str, Any] | None],
+    timeout_s: float,
+) -> list[str]:
+    """What a run whose jobs did not all finish left: the jobs, and the DLQ's messages."""
+    bad = [
+        f"{path.name}: no summary within {timeout_s:.0f} s"
+        for path, summary in zip(paths, summaries, strict=True)
+        if summary is None
+    ]
+    dead = await receive_all(sqs, stack["dlq_url"], wait=1)
+    bad += [f"the DLQ holds {m['Body'][:200]}" for m in dead]
+    return bad
 
 
 async def _drained(sqs: Any, url: str) -> bool:
     return not await pending(sqs, url)
 
 
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "faults": {"lines": 240, "shard_lines": 40},
+    "outage": {"lines": 120, "shard_lines": 8, "outage": (15.0, 150.0), "timeout_s": 600},
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.worker.blackbox")
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="faults")
     parser.add_argument("--seed", type=int, default=19)
     parser.add_argument("--jobs", type=int, default=3)
-    parser.add_argument("--lines", type=int, default=240)
+    parser.add_argument("--lines", type=int, default=None, help="lines per job")
+    parser.add_argument("--shard-lines", type=int, default=None)
+    parser.add_argument("--outage", type=float, nargs=2, default=None, metavar=("START", "LENGTH"))
     parser.add_argument("--kill-every", type=float, nargs=2, default=(0.3, 1.2), metavar="S")
+    parser.add_argument("--requests-per-kill", type=int, default=50)
     args = parser.parse_args(argv)
-    figures = asyncio.run(blackbox(args.seed, args.jobs, args.lines, kill_every=args.kill_every))
+    chosen = dict(SCENARIOS[args.scenario])
+    for name in ("lines", "shard_lines", "outage"):
+        if getattr(args, name) is not None:
+            chosen[name] = getattr(args, name)
+    figures = asyncio.run(
+        blackbox(
+            args.seed,
+            args.jobs,
+            kill_every=tuple(args.kill_every),
+            requests_per_kill=args.requests_per_kill,
+            **chosen,
+        )
+    )
     print(json.dumps(figures, indent=1))
     return 1 if figures["violations"] else 0
 

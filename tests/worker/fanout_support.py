@@ -15,6 +15,7 @@ from tests.aws import list_keys, read_object, receive_all, s3_notification
 from tests.fakes import decision_line
 from tests.worker import support
 from worker.events import JobRef
+from worker.fanout.outcome import Outcome
 from worker.jobs import output_keys, run_job
 from worker.queue import Consumer
 from worker.settings import WorkerSettings
@@ -23,6 +24,29 @@ from worker.settings import WorkerSettings
 def fanout_settings(endpoint: str, **kw: Any) -> WorkerSettings:
     """The worker tests' settings with short lines (small jobs still split)."""
     return support.settings_for(endpoint, **{"max_line_bytes": 400, **kw})
+
+
+async def done_outputs(
+    s3: Any, bucket: str, outputs: Sequence[tuple[str, bytes, int]]
+) -> list[Outcome]:
+    """Shard outputs written to the store as (key, records, lines), with the outcomes a merge
+    reads them by: each shard done, every line ok."""
+    outcomes = []
+    for index, (key, data, lines) in enumerate(outputs):
+        await s3.put_object(Bucket=bucket, Key=key, Body=data)
+        outcomes.append(
+            Outcome(
+                index=index,
+                state="done",
+                attempt="a",
+                output=key,
+                bytes=len(data),
+                lines=lines,
+                ok=lines,
+                failed=0,
+            )
+        )
+    return outcomes
 
 
 def job_lines(n: int, run: int = 3) -> list[bytes]:

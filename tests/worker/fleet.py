@@ -46,6 +46,7 @@ class Fleet:
         self.endpoint, self.settings, self.size, self.engine = endpoint, settings, workers, engine
         self.proxy = FaultProxy(endpoint, decide, self._killed)
         self.workers: dict[int, _Worker] = {}
+        self.dead_letters: list[dict[str, Any]] = []  # the DLQ's records, once checked
         self.kills = 0
         self._next = 0
         self._dead: list[int] = []
@@ -89,7 +90,7 @@ class Fleet:
         worker = _Worker(number)
         self.workers[number] = worker
         url = await self.proxy.endpoint(number)
-        kw = {"region_name": "us-east-1", "endpoint_url": url, **CREDS}
+        kw = {**self.settings.client_kwargs(), "endpoint_url": url, **CREDS}
         session = get_session()
         try:
             s3 = await worker.stack.enter_async_context(session.create_client("s3", **kw))

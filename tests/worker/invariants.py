@@ -1,6 +1,6 @@
 """What must hold once a fleet has worked through its jobs, whatever faults it met: each a sentence
-of the README's exactly-once argument, checked on the bucket and the queues (direct clients, not the
-proxy). :func:`violations` returns what does not hold, empty when all does."""
+of the exactly-once argument (docs/batch-jobs.md), checked on the bucket and the queues (direct
+clients, not the proxy). :func:`violations` returns what does not hold, empty when all does."""
 
 from __future__ import annotations
 
@@ -115,10 +115,18 @@ async def job_violations(
 
 
 async def violations(
-    s3: Any, sqs: Any, stack: dict[str, str], settings: WorkerSettings, jobs: Sequence[Job]
+    s3: Any,
+    sqs: Any,
+    stack: dict[str, str],
+    settings: WorkerSettings,
+    jobs: Sequence[Job],
+    dead_letters: list[dict[str, Any]] | None = None,
+    duplicate_records: bool = False,
 ) -> list[str]:
-    """Every job finished once, line for line; nothing left behind; the DLQ holds only shards that
-    truly ran out of tries (each one's lines ``shard_failed`` and counted)."""
+    """Every job finished once, line for line; nothing left behind; the DLQ holds exactly one
+    record per shard that truly failed (its lines ``shard_failed`` and counted) and nothing else.
+    ``dead_letters`` collects the DLQ's messages; ``duplicate_records``: a worker was killed right
+    after sending a record (the one way a record comes twice, worker/fanout/deadletters.py)."""
     bad: list[str] = []
     failed: set[tuple[str, int]] = set()
     for job in jobs:
@@ -141,13 +149,32 @@ async def violations(
         if not got:
             break
         dead += got
-    copies = set()
+    copies: Counter[tuple[str, int]] = Counter()
     for message in dead:
         body = json.loads(message["Body"])
+        if dead_letters is not None:
+            dead_letters.append(body)
         copy = (body.get("key"), body.get("index"))
         if "arbiter_shard" not in body or copy not in failed:
             bad.append(f"the DLQ holds {message['Body'][:200]}")
-        copies.add(copy)
-    if failed - copies:
-        bad.append(f"failed shards without a DLQ record: {sorted(failed - copies)}")
+        copies[copy] += 1
+    if failed - set(copies):
+        bad.append(f"failed shards without a DLQ record: {sorted(failed - set(copies))}")
+    twice = sorted(c for c, n in copies.items() if n > 1)
+    if twice and not duplicate_records:
+        bad.append(f"failed shards with more than one DLQ record: {twice}")
     return bad
+
+
+def records_may_repeat(log: Sequence[tuple[int, str, str, str]], dlq_name: str) -> bool:
+    """Whether a run's faults can have sent a dead-letter record twice (the proxy's log of the
+    requests it did not just forward): a send to the DLQ duplicated, its answer lost or its worker
+    killed around it, or a worker killed before marking the records sent (the one way a record
+    comes twice, worker/fanout/deadletters.py; a refused send commits nothing)."""
+    for _, op, key, action in log:
+        to_dlq = op.startswith("SendMessage") and key.endswith(f"/{dlq_name}")
+        if to_dlq and not action.startswith("fail_"):
+            return True
+        if key.endswith("dead-letters.json") and action.startswith("kill"):
+            return True
+    return False

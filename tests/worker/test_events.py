@@ -15,8 +15,9 @@ from tests.fakes import decision_line
 from worker.events import Ignored, JobRef, UnreadableMessage, parse_message
 from worker.formats import items_for
 from worker.jobs import output_keys
-from worker.policies import DrainDeadline, ExponentialBackoff, goes_to_dlq
+from worker.policies import DrainDeadline, ExponentialBackoff
 from worker.settings import WorkerSettings
+from worker.tries import Receive, Tries
 
 BUCKET = "jobs"
 
@@ -108,9 +109,36 @@ def test_drain_deadline_counts_down_from_the_first_stop() -> None:
     assert drain.remaining(now=200.0) == 0.0
 
 
-def test_dead_letter_when_the_last_receive_failed() -> None:
-    assert goes_to_dlq(3, 3) and goes_to_dlq(4, 3) and not goes_to_dlq(2, 3)
-    assert not goes_to_dlq(100, None)
+def test_the_last_try_and_past_it_follow_the_redrive_margin() -> None:
+    tries = Tries(own=5, redrive=8)
+    assert tries.limit == 5 and not tries.too_tight
+    assert tries.last(5) and tries.last(6) and not tries.last(4)
+    assert tries.past(6) and not tries.past(5)
+    tight = Tries(own=5, redrive=4)  # a queue whose redrive would beat the worker's last look
+    assert tight.limit == 1 and tight.too_tight
+    assert Tries(own=3).limit == 3
+
+
+def test_a_released_receive_is_not_counted_and_an_outage_is_carried() -> None:
+    tries = Tries(own=5, backoff=ExponentialBackoff(2, 300), max_outage_s=100)
+    message = {"Attributes": {"ApproximateReceiveCount": "3"}, "MessageAttributes": {}}
+    first = Receive.of(message)
+    assert first == Receive(count=3)
+    carried = tries.carried(first, outage=True)
+    again = Receive.of(
+        {"Attributes": {"ApproximateReceiveCount": "1"}, "MessageAttributes": carried}
+    )
+    assert again.count == 3 and again.outages == 1 and again.outage_since is not None
+    assert tries.outage_delay(again) == 4 and tries.retry_delay(again) == 8
+    assert not tries.outage_over(again, now=again.outage_since + 50)
+    assert tries.outage_over(again, now=again.outage_since + 101)
+    look = tries.carried(again, last_look=True)
+    assert Receive.of({"MessageAttributes": look}).last_look
+    assert Receive.of(
+        {"MessageAttributes": tries.carried(Receive.of({"MessageAttributes": look}))}
+    ).last_look
+    # a drain release carries the count alone
+    assert set(tries.carried(first)) == {"ArbiterFailedReceives"}
 
 
 def test_overlapping_prefixes_are_refused() -> None:

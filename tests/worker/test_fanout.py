@@ -622,16 +622,32 @@ def test_the_status_counts_each_shard_once_and_keeps_a_final_state() -> None:
         shards=spans,
         created_at="2026-01-01T00:00:00+00:00",
         created_ts=1000.0,
+        stripes=4,
     )
     keys = outputs(WorkerSettings(), "incoming/s.jsonl", "e")
-    doc = status.initial(manifest, keys)
-    doc = status.count_shard(doc, 8, 10, 1, False, now=1010.0)
-    assert doc is not None and status.count_shard(doc, 8, 10, 1, False) is None
+    # Shard 8 is in stripe 0 (8 mod 4), with shards 0 and 4: its third.
+    stripe = status.initial_stripe(manifest, 0)
+    assert stripe["size"] == 3
+    stripe = status.count_in_stripe(stripe, 8, 10, 1, False)
+    assert stripe is not None and status.count_in_stripe(stripe, 8, 10, 1, False) is None
+    assert status.snapshot(stripe) == [1, 0, 10, 1] and not status.stripe_complete(stripe)
+    doc = status.fold(status.initial(manifest, keys), 0, status.snapshot(stripe), now=1010.0)
+    assert doc is not None and status.fold(doc, 0, [1, 0, 10, 1]) is None  # not newer
     assert doc["lines"] == {"total": 90, "done": 10, "failed": 1} and doc["eta_s"] == 80.0
+    for index in (0, 4):
+        stripe = status.count_in_stripe(stripe, index, 10, 0, index == 4)
+        assert stripe is not None
+    assert status.stripe_complete(stripe) and status.snapshot(stripe) == [3, 1, 30, 1]
+    doc = status.fold(doc, 0, status.snapshot(stripe))
+    assert doc is not None and doc["shards"] == {"total": 9, "done": 2, "failed": 1}
+    for k, size in ((1, 2), (2, 2), (3, 2)):  # shards 1, 5 / 2, 6 / 3, 7
+        doc = status.fold(doc, k, [size, 0, 10 * size, 0])
+        assert doc is not None
+    assert doc["shards"]["done"] == 8 and doc["lines"]["done"] == 90
     summary = {"lines": 90, "failed": 3, "shards": {"count": 9, "failed": []}}
     final = status.final(summary, keys)
     assert final["state"] == "done" and final["lines"] == {"total": 90, "done": 90, "failed": 3}
-    assert status.count_shard(final, 0, 10, 0, False) is None  # no progress after the end
+    assert status.fold(final, 0, [3, 0, 30, 0]) is None  # no progress after the end
 
 
 def test_a_shard_prefix_that_overlaps_jobs_or_results_is_refused() -> None:

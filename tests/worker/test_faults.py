@@ -128,8 +128,11 @@ async def test_a_refused_heartbeat_stops_the_job(endpoint: str) -> None:
         )
         await asyncio.wait_for(task, 5)  # well before the job's ~10 s
         assert await list_keys(s3, "jobs", "results/") == []
+        # No longer this worker's message: not given back (that would undo the delete).
+        assert await receive_all(sqs, stack["queue_url"], wait=1) == []
     assert engine.calls < 6
-    assert sample(registry, "arbiter_worker_jobs_total", outcome="failed") == 1
+    assert sample(registry, "arbiter_worker_jobs_total", outcome="lease_lost") == 1
+    assert sample(registry, "arbiter_worker_jobs_total", outcome="failed") == 0
 
 
 async def test_a_job_at_the_visibility_limit_stops_before_its_message_reappears(

@@ -2,8 +2,8 @@
 merged back, in input order, into the single path's records.
 
 Every step is idempotent by construction, so no step depends on who won a race or on whether an
-answer arrived (the README's "Exactly once, step by step" names the faults each survives and the
-test that proves it):
+answer arrived (docs/batch-jobs.md, "Exactly once, step by step", names the faults each survives
+and the test that proves it):
 
 - :mod:`.keys`: one folder per input version, named by a hash; :mod:`.plan`: the cut, named by what
   determines it, written once; :mod:`.split` cuts, :mod:`.frames` is the shard input format;

@@ -112,13 +112,18 @@ class Splitter:
         """Start the status, then send what the job still needs (see the module doc); what was
         sent, or None if the job turned out to be finished (a late splitter: its end is run)."""
         keys = found.keys
-        await status.start(
-            self.s3, self.bucket, status.status_key(keys), status.initial(manifest, keys)
-        )
+        key = status.status_key(keys)
+        wrote = await status.start(self.s3, self.bucket, key, status.initial(manifest, keys))
+        await status.start_stripes(self.s3, self.bucket, folder, manifest)
         if await exists(self.s3, self.bucket, keys.summary):
             await self.merger.finalize(keys, folder)
             return None
+        # Listed after the status was written: an outcome written before is in the listing and
+        # counted here; one written after finds the status and counts itself.
         done = await finished(self.s3, self.bucket, folder)
+        if wrote and done:  # a status that was gone (or another run's), rebuilt from the stripes
+            await status.recount(self.s3, self.bucket, key, folder, manifest)
+            log.warning("status.rebuilt", shards=len(done), of=manifest.count)
         if len(done) >= manifest.count:
             await send_merge(self.sqs, self.queue_url, manifest)
             return "merge"

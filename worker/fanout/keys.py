@@ -10,6 +10,9 @@ cannot reach into a neighbour's shards), and a 1,024-byte key still gives a shor
     out/<i>.<attempt>.jsonl    shard i's records as one attempt wrote them
     outcome/<i>.json           shard i's one outcome (If-None-Match: *): done or failed, the output
                                that counts and its tally
+    count/<k>.json             status stripe k: the shards i mod K = k counted, and their sums
+                               (worker.fanout.status)
+    merge-claim.json           the count that sends the merge message (If-None-Match: *)
 
 Everything here is deleted once the summary exists; a lifecycle rule expires what an abandoned job
 leaves.
@@ -50,6 +53,13 @@ class JobFolder:
 
     def outcome(self, index: int) -> str:
         return f"{self.outcome_prefix}{index:05d}.json"
+
+    def stripe(self, k: int) -> str:
+        return f"{self.base}count/{k:03d}.json"
+
+    @property
+    def merge_claim(self) -> str:
+        return f"{self.base}merge-claim.json"
 
 
 def job_folder(settings: WorkerSettings, bucket: str, key: str, etag: str) -> JobFolder:

@@ -13,7 +13,7 @@ import structlog
 
 from worker.events import PROTOCOL, MergeMessage, ShardMessage
 from worker.fanout.plan import Manifest
-from worker.jobs import JobFailed
+from worker.faults import QueueRefused
 
 log = structlog.get_logger("arbiter.worker")
 
@@ -62,7 +62,7 @@ async def send_all(sqs: Any, queue_url: str, bodies: list[str], tries: int = 5) 
                 break
             await asyncio.sleep(0.2 * 2**attempt)
         if entries:
-            raise JobFailed(f"SQS refused {len(entries)} fan-out messages")
+            raise QueueRefused(f"SQS refused {len(entries)} fan-out messages")
 
 
 async def send_shards(sqs: Any, queue_url: str, manifest: Manifest, indices: list[int]) -> None:

@@ -88,9 +88,12 @@ async def finished(s3: Any, bucket: str, folder: JobFolder) -> set[int]:
     return indices
 
 
-async def read_all(s3: Any, bucket: str, folder: JobFolder, manifest: Manifest) -> list[Outcome]:
-    """Every shard's outcome, in shard order (16 reads at a time)."""
-    gate = asyncio.Semaphore(16)
+READ_CONCURRENCY = 16  # outcome reads in flight at once
+
+
+async def read_some(s3: Any, bucket: str, folder: JobFolder, indices: list[int]) -> list[Outcome]:
+    """The outcomes of ``indices``, in that order (:data:`READ_CONCURRENCY` reads at a time)."""
+    gate = asyncio.Semaphore(READ_CONCURRENCY)
 
     async def one(index: int) -> Outcome:
         async with gate:
@@ -99,4 +102,9 @@ async def read_all(s3: Any, bucket: str, folder: JobFolder, manifest: Manifest) 
             raise JobFailed(f"shard {index} has no outcome (yet)")
         return found
 
-    return list(await asyncio.gather(*(one(s.index) for s in manifest.shards)))
+    return list(await asyncio.gather(*(one(i) for i in indices)))
+
+
+async def read_all(s3: Any, bucket: str, folder: JobFolder, manifest: Manifest) -> list[Outcome]:
+    """Every shard's outcome, in shard order."""
+    return await read_some(s3, bucket, folder, [s.index for s in manifest.shards])

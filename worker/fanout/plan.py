@@ -28,7 +28,8 @@ from worker.s3io import get_json, put_new
 # Bump when the cut itself changes (the boundary rule, the shard input format, MAX_SHARDS): a plan id
 # must never name two different cuts.
 CUT_VERSION = 2
-MAX_SHARDS = 10_000  # see README, "Limits of one split job"
+MAX_SHARDS = 10_000  # see docs/batch-jobs.md, "Limits of one split job"
+STRIPES = 32  # the most status stripes of one job (worker.fanout.status: counting, striped)
 
 
 class ShardSpan(BaseModel):
@@ -68,10 +69,16 @@ class Manifest(BaseModel):
     runs_cut: int = 0  # boundaries inside a run of one state longer than the allowed move
     created_at: str
     created_ts: float
+    stripes: int | None = None  # status stripes (worker.fanout.status); None: min(count, STRIPES)
 
     @property
     def count(self) -> int:
         return len(self.shards)
+
+    @property
+    def stripe_count(self) -> int:
+        """How many stripes count this job's shards (shard i in stripe i mod this)."""
+        return self.stripes or max(1, min(self.count, STRIPES))
 
 
 def plan_id(kind: str, shard_lines: int, max_line_bytes: int) -> str:

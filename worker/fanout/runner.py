@@ -26,13 +26,15 @@ from worker.fanout import status
 from worker.fanout.job import LAST_TRY, Splitter
 from worker.fanout.keys import JobFolder, job_folder
 from worker.fanout.merge import Merger
-from worker.fanout.messages import send_merge, shard_body
+from worker.fanout.messages import send_merge
 from worker.fanout.outcome import Outcome, finished, publish, read_outcome
-from worker.fanout.plan import Manifest, ManifestCache, ShardSpan
+from worker.fanout.plan import Manifest, ManifestCache, ShardSpan, read_manifest
 from worker.fanout.shard import ShardWork
+from worker.faults import classify, describe
 from worker.jobs import JobRejected, JobReport, OutputKeys, Runner, output_keys
 from worker.s3io import exists
 from worker.settings import WorkerSettings
+from worker.tries import Tries
 
 log = structlog.get_logger("arbiter.worker")
 
@@ -49,7 +51,7 @@ class Delivery:
 
 class FanOut:
     """Runs job, shard and merge references for one worker (see the module doc). ``tries``: the
-    worker's own limit of receives per message (the queue's redrive allows more)."""
+    worker's tries on its queue (:mod:`worker.tries`); None, no limit."""
 
     def __init__(
         self,
@@ -58,7 +60,7 @@ class FanOut:
         sqs: Any,
         engine: Scorer,
         queue_url: str,
-        tries: int | None = None,
+        tries: Tries | None = None,
         dlq_url: str | None = None,
         metrics: Any = None,
         run: Runner | None = None,
@@ -69,7 +71,7 @@ class FanOut:
         self.queue_url, self.tries, self.dlq_url = queue_url, tries, dlq_url
         self.metrics = metrics
         self.manifests = ManifestCache()
-        self.merger = Merger(s3, settings, metrics)
+        self.merger = Merger(s3, settings, metrics, sqs, dlq_url)
         self.work = ShardWork(settings, s3, engine, metrics, run)
         self.splitter = Splitter(settings, s3, sqs, engine, queue_url, self.merger, metrics, run)
 
@@ -83,7 +85,7 @@ class FanOut:
         if isinstance(ref, MergeRef):
             with structlog.contextvars.bound_contextvars(merge=True):
                 return await self.merge(ref)
-        out_of_tries = self.tries is not None and delivery.receive_count > self.tries
+        out_of_tries = self.tries is not None and self.tries.past(delivery.receive_count)
         return await self.splitter.run(ref, out_of_tries)
 
     def _where(self, ref: ShardRef | MergeRef) -> tuple[JobRef, JobFolder, OutputKeys]:
@@ -126,8 +128,6 @@ class FanOut:
                 self._count("duplicate")
                 return JobReport("shard", job, keys)
             outcome = settled
-        if outcome.state == "failed":
-            await self._record_failed(manifest, span.index)
         # After this worker's write: a summary found now means the clean-up may have missed it.
         if await self._ended(keys, folder):
             return JobReport("shard", job, keys)
@@ -138,21 +138,15 @@ class FanOut:
     async def _completes(
         self, folder: JobFolder, keys: OutputKeys, manifest: Manifest, outcome: Outcome
     ) -> bool:
-        """Count the shard in the status; whether this count completed it. The swaps are serial,
-        so one count completes it and one worker sends the merge message, not every one that
-        finished near the end. A shard message is deleted only once counted, so every outcome is
-        counted in the end (a count repeated is a no-op that finds the status complete: a
-        duplicate merge message, harmless). With no status (deleted, or final), the outcomes are
-        listed instead."""
-        failed = outcome.state == "failed"
+        """Count the shard in its status stripe (:mod:`.status`); whether this count completed
+        the job. The swaps are serial, so one count completes it and one worker sends the merge
+        message, not every one that finished near the end. A shard message is deleted only once
+        counted, so every outcome is counted in the end (a count repeated is a no-op that finds
+        the status complete: a duplicate merge message, harmless). With no status or stripe
+        (deleted, or final), the outcomes are listed instead."""
         try:
-            doc = await status.update(
-                self.s3,
-                self.bucket,
-                status.status_key(keys),
-                lambda d: status.count_shard(
-                    d, outcome.index, outcome.lines, outcome.failed, failed
-                ),
+            done = await status.count(
+                self.s3, self.bucket, status.status_key(keys), folder, manifest, outcome
             )
         except Exception:
             # Not counted: if every outcome exists already, the merge is sent anyway; else the
@@ -160,7 +154,6 @@ class FanOut:
             if len(await finished(self.s3, self.bucket, folder)) >= manifest.count:
                 return True
             raise
-        done = None if doc is None else status.complete(doc)
         if done is None:
             done = len(await finished(self.s3, self.bucket, folder)) >= manifest.count
         return done
@@ -180,8 +173,8 @@ class FanOut:
             return not await exists(self.s3, self.bucket, keys.summary)
 
         count = delivery.receive_count
-        last = self.tries is not None and count >= self.tries
-        if self.tries is not None and count > self.tries:
+        last = self.tries is not None and self.tries.last(count)
+        if self.tries is not None and self.tries.past(count):
             outcome = await self.work.fail(
                 folder, manifest, span, delivery.reason or LAST_TRY, count
             )
@@ -194,10 +187,12 @@ class FanOut:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if not (last or isinstance(exc, JobRejected)):
-                    raise  # retried with backoff, like a job
-                reason = f"{type(exc).__name__}: {exc}"
-                outcome = await self.work.fail(folder, manifest, span, reason, count)
+                # Only the shard's own failure gives it up, on its last try (a store or queue
+                # fault is retried without spending one: worker.faults); an input that is gone
+                # or damaged, at once.
+                if not (isinstance(exc, JobRejected) or (last and classify(exc).counts)):
+                    raise
+                outcome = await self.work.fail(folder, manifest, span, describe(exc), count)
         published = await publish(self.s3, self.bucket, folder, outcome)
         if published is None:  # the job ended while this shard was scored or failed
             return None
@@ -208,17 +203,6 @@ class FanOut:
         self._count("failed" if counted.state == "failed" else "ok")
         log.info("shard.done", state=counted.state, lines=counted.lines, failed=counted.failed)
         return counted
-
-    async def _record_failed(self, manifest: Manifest, index: int) -> None:
-        """A copy of a failed shard's message in the dead-letter queue, as a record for whoever
-        watches it: sent by every receive that finds the shard failed, before its message is
-        deleted, so a worker killed in between cannot lose it (a record may come twice)."""
-        if self.dlq_url:
-            await self.sqs.send_message(
-                QueueUrl=self.dlq_url, MessageBody=shard_body(manifest, index)
-            )
-            if self.metrics is not None:
-                self.metrics.dlq_moves.labels("shard_failed").inc()
 
     async def _gone(self, job: JobRef, folder: JobFolder, keys: OutputKeys, what: str) -> JobReport:
         if await self._ended(keys, folder):
@@ -235,8 +219,11 @@ class FanOut:
         job, folder, keys = self._where(ref)
         if await self._ended(keys, folder):
             return JobReport("duplicate", job, keys)
-        manifest = await self._manifest(ref, folder)
-        if manifest is None:
+        # Read afresh, not from the cache: a re-run of the same input (its outputs deleted, its
+        # notification re-sent) has the same plan but its own manifest, and the summary's times
+        # are the manifest's (a cached one put the first run's into a re-run's summary).
+        manifest = await read_manifest(self.s3, self.bucket, folder)
+        if manifest is None or manifest.plan != ref.plan:
             return await self._gone(job, folder, keys, "the merge")
         summary = await self.merger.merge(manifest, keys, folder)
         return JobReport("merged", job, keys, summary)

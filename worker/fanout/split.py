@@ -5,10 +5,15 @@ items, moved on by up to a quarter of that while the next item has the same stat
 its prefill is not paid twice). The cut depends on the input and the plan's settings alone
 (:func:`worker.fanout.plan.plan_id`), so any worker that cuts the same input gets the same bytes
 under the same keys. The input is streamed (raw items, see :func:`worker.formats.raw_items_for`):
-memory holds one item, disk at most two shards (the uploader sends one while the next is read).
+memory holds one item, disk at most :data:`UPLOADS` + 1 shards (the uploader sends up to that many
+at once while the next is read: one at a time, each PUT's round trip was the split's pace).
 
 A job that would need more than :data:`~worker.fanout.plan.MAX_SHARDS` shards is refused with a clear
-error instead of a last shard that takes every remaining line.
+error instead of a last shard that takes every remaining line, and **before the split**: unless its
+size alone shows that it fits (:func:`fits_unread`), the input is first read once without writing
+anything, cut as the split would cut it (:func:`count_shards`), and refused as soon as it needs one
+shard too many. Before issue 27 the refusal came when the split reached the limit, after it had
+read and uploaded up to 10,000 shard inputs (then deleted).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from arbiter.errors import ArbiterError
 from worker.events import JobRef
 from worker.fanout.frames import frame
 from worker.fanout.keys import JobFolder
-from worker.fanout.plan import MAX_SHARDS, Manifest, ShardSpan, plan_id
+from worker.fanout.plan import MAX_SHARDS, STRIPES, Manifest, ShardSpan, plan_id
 from worker.formats import item_kind, raw_items_for
 from worker.jobs import JobRejected, Located, open_input, raw_chunks
 from worker.s3io import delete_prefix, upload_spool
@@ -89,12 +94,15 @@ class _Shard:
         )
 
 
+UPLOADS = 4  # shard inputs in flight at once while the next is read (UPLOADS + 1 spools on disk)
+
+
 class _Uploader:
-    """Shard inputs go up one at a time while the next is being read (at most two spools)."""
+    """Shard inputs go up :data:`UPLOADS` at a time while the next is being read."""
 
     def __init__(self, s3: Any, settings: WorkerSettings, folder: JobFolder, plan: str) -> None:
         self.s3, self.settings, self.folder, self.plan = s3, settings, folder, plan
-        self.pending: asyncio.Task[None] | None = None
+        self.pending: set[asyncio.Task[None]] = set()
 
     async def _up(self, shard: _Shard) -> None:
         try:
@@ -104,19 +112,30 @@ class _Uploader:
             shard.spool.close()
 
     async def send(self, shard: _Shard) -> None:
-        await self.wait()
-        self.pending = asyncio.create_task(self._up(shard))
+        while len(self.pending) >= UPLOADS:
+            done, self.pending = await asyncio.wait(
+                self.pending, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                task.result()  # an upload that failed fails the split
+        self.pending.add(asyncio.create_task(self._up(shard)))
 
     async def wait(self) -> None:
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            await pending
+        """Every upload finished (each one ended before a failure is raised: the caller then
+        closes the spools)."""
+        ended = await asyncio.gather(*self.pending, return_exceptions=True)
+        self.pending = set()
+        for result in ended:
+            if isinstance(result, BaseException):
+                raise result
 
     async def cancel(self) -> None:
-        if self.pending is not None:
-            self.pending.cancel()
+        pending, self.pending = self.pending, set()
+        for task in pending:
+            task.cancel()
+        for task in pending:
             with contextlib.suppress(BaseException):
-                await self.pending
+                await task
 
 
 @dataclass
@@ -129,17 +148,17 @@ class _Cutter:
     cut: int = 0
     last_state: Any = _NO_STATE
 
-    def boundary(self, current: _Shard, previous: bytes | ArbiterError, data: Any) -> bool:
-        """Whether ``data`` starts a new shard after ``current`` (whose last item is ``previous``)."""
-        if current.items < self.target:
+    def boundary(self, items: int, previous: bytes | ArbiterError, data: Any) -> bool:
+        """Whether ``data`` starts a new shard after one of ``items`` whose last is ``previous``."""
+        if items < self.target:
             return False
-        if current.items == self.target:
+        if items == self.target:
             self.last_state = state_of(previous)
         same = same_state(state_of(data), self.last_state)
-        if same and current.items < self.target + self.slack:
+        if same and items < self.target + self.slack:
             return False
         self.cut += same
-        self.kept += current.items > self.target
+        self.kept += items > self.target
         return True
 
 
@@ -152,6 +171,37 @@ def too_many(shard_lines: int) -> str:
     )
 
 
+def fits_unread(key: str, size: Any, shard_lines: int) -> bool:
+    """Whether an input needs at most MAX_SHARDS shards, known from its size alone: an item takes at
+    least two bytes (one, and its newline or comma; the last may lack it) and every shard but the
+    last holds at least ``shard_lines`` items, so an uncompressed input of up to about
+    ``2 x MAX_SHARDS x shard_lines`` bytes (20 MB by default) fits. A compressed one may inflate to
+    anything."""
+    if key.endswith(".gz") or not isinstance(size, int):
+        return False
+    return size // 2 + 1 <= MAX_SHARDS * shard_lines
+
+
+async def count_shards(
+    s3: Any, ref: JobRef, found: Located, settings: WorkerSettings, shard_lines: int
+) -> int:
+    """Read the input once, writing nothing, and cut it as :func:`split_input` would; the number
+    of shards. Raises :class:`JobRejected` as soon as it needs more than MAX_SHARDS."""
+    response = await open_input(s3, ref, found)
+    cutter = _Cutter(shard_lines, max(1, shard_lines // 4))
+    shards, items = 1, 0
+    previous: bytes | ArbiterError = b""
+    async with response["Body"] as body:
+        async for _, data in raw_items_for(ref.key, raw_chunks(body), settings.max_line_bytes):
+            if cutter.boundary(items, previous, data):
+                if shards == MAX_SHARDS:
+                    raise JobRejected(too_many(shard_lines))
+                shards, items = shards + 1, 0
+            items += 1
+            previous = data
+    return shards
+
+
 async def split_input(
     s3: Any,
     ref: JobRef,
@@ -162,9 +212,11 @@ async def split_input(
 ) -> Manifest | None:
     """Cut the input into shard inputs under its plan; the manifest (not written yet), or None when
     the whole input fits in one shard (run it as one job). Raises :class:`JobRejected` if the input
-    is gone or needs more than MAX_SHARDS shards."""
+    is gone or needs more than MAX_SHARDS shards (before any write, see the module doc)."""
     kind = "element" if item_kind(ref.key) == "element" else "line"
     plan = plan_id(kind, shard_lines, settings.max_line_bytes)
+    if not fits_unread(ref.key, found.head.get("ContentLength"), shard_lines):
+        await count_shards(s3, ref, found, settings, shard_lines)  # refused before any write
     response = await open_input(s3, ref, found)
     cutter = _Cutter(shard_lines, max(1, shard_lines // 4))
     uploader = _Uploader(s3, settings, folder, plan)
@@ -175,7 +227,7 @@ async def split_input(
         async with response["Body"] as body:
             raw = raw_items_for(ref.key, raw_chunks(body), settings.max_line_bytes)
             async for number, data in raw:
-                if cutter.boundary(current, previous, data):
+                if cutter.boundary(current.items, previous, data):
                     if len(shards) == MAX_SHARDS - 1:
                         raise JobRejected(too_many(shard_lines))
                     shards.append(current)
@@ -215,4 +267,5 @@ async def split_input(
         runs_cut=cutter.cut,
         created_at=datetime.fromtimestamp(now, UTC).isoformat(),
         created_ts=now,
+        stripes=min(len(shards), STRIPES),
     )

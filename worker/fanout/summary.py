@@ -1,10 +1,18 @@
 """A split job's summary: the single path's shape, added up from the shards' outcomes, plus what the
 shards did. Its counts are a function of the outcomes alone, which are the same for every merger,
-so two merges write equal counts and the summary always agrees with the results (both are made of
-the same outcomes)."""
+so two merges write equal counts and the summary agrees with the results made of those outcomes.
+
+A results object found before the merge wrote one (a redo after a lost summary) is reused only if
+it was made of the same outcomes (the digest of the outcomes is in its metadata,
+:func:`outcomes_digest`); one made of other outcomes (a re-send after the summary alone was lost:
+the re-run's shards scored again) is described as it is, record by record (:class:`ResultsTally`),
+so the summary always says what the results hold.
+"""
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import json
 import os
 import socket
@@ -108,3 +116,82 @@ def build_summary(
             "prefix_reuse": prefix_reuse(manifest, outcomes),
         },
     }
+
+
+def outcomes_digest(outcomes: list[Outcome]) -> str:
+    """What a results object was made of: each shard's outcome attempt and size."""
+    text = "\n".join(
+        f"{o.index} {o.attempt} {o.bytes}" for o in sorted(outcomes, key=lambda o: o.index)
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class ResultsTally:
+    """A results object's counts, record by record, and the shards whose every line is
+    ``shard_failed`` in it (see the module doc)."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.spans = manifest.shards
+        self.starts = [s.first for s in self.spans]
+        self.lines = self.ok = self.tokens = 0
+        self.codes: Counter[str] = Counter()
+        self.lost: Counter[int] = Counter()  # shard_failed lines by shard
+        self.errors: dict[int, str] = {}
+        self.models: dict[int, dict[str, Any]] = {}  # the model of each shard's first result
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.lines += 1
+        shard = max(0, bisect.bisect_right(self.starts, int(record.get("line", 0))) - 1)
+        error = record.get("error")
+        if error is not None:
+            self.codes[error.get("code", "unknown")] += 1
+            if error.get("code") == "shard_failed":
+                self.lost[shard] += 1
+                self.errors.setdefault(shard, str(error.get("message", "")))
+            return
+        self.ok += 1
+        result = record.get("result", {})
+        self.tokens += int(result.get("prompt", {}).get("input_tokens", 0))
+        if isinstance(result.get("model"), dict):
+            self.models.setdefault(shard, result["model"])
+
+    def apply(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """``summary`` with the counts, models and failed shards of these results."""
+        failed = [
+            {
+                "index": span.index,
+                "first_line": span.first,
+                "last_line": span.last,
+                "lines": span.items,
+                "error": self.errors.get(span.index),
+                "receives": None,
+            }
+            for span in self.spans
+            if self.lost[span.index] == span.items
+        ]
+        by_sha: dict[str, dict[str, Any]] = {}
+        shards: Counter[str] = Counter()
+        for model in self.models.values():
+            sha = str(model.get("sha256"))
+            by_sha.setdefault(sha, model)
+            shards[sha] += 1
+        scored_by = [{**by_sha[sha], "shards": n} for sha, n in shards.most_common()]
+        merge = {**summary["shards"]["merge"], "results_match_outcomes": False}
+        return {
+            **summary,
+            "lines": self.lines,
+            "ok": self.ok,
+            "failed": self.lines - self.ok,
+            "errors_by_code": dict(sorted(self.codes.items())),
+            "tokens": {"prompt": self.tokens},
+            "model": {k: v for k, v in scored_by[0].items() if k != "shards"}
+            if scored_by
+            else None,
+            "models": scored_by,
+            "shards": {
+                **summary["shards"],
+                "done": len(self.spans) - len(failed),
+                "failed": failed,
+                "merge": merge,
+            },
+        }

@@ -6,7 +6,8 @@ bench's 8 questions on one ~400-token state) with an engine configured from the 
 otherwise may still hand big matrix products to it), and saves the option logits of each decision
 and the full-vocabulary logits of a plain prefill of each prompt. ``compare`` reads two dumps.
 Weights are random (the generated model), so what is compared is numerics, not answers; the
-engine's own agreement rules (grouped = single = cache to 1e-3) are the tests' business.
+engine's own agreement rules (grouped = single = cache to 1e-3) are the tests' business. The GPU
+check's agreement stage (gpucheck/pipeline.py) runs ``python -m bench.agreement`` in each process.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def compare(a: Path, b: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpucheck.agreement", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.agreement", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("dump", help="score the fixed decisions, save logits (.npz)")
     d.add_argument("out", type=Path)

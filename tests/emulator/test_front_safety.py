@@ -1,0 +1,163 @@
+"""The front fails safe: a half-sent body and a stream client that never reads are dropped after their
+timeouts; `arbiter runtime` never reaches real AWS unless asked, and says so in one line; an async
+InputLocation outside the endpoint role's input prefix is refused as the role would refuse it; a
+failure of the front's own after a stream has begun is an InternalStreamFailure event. (A container
+that is not up is ModelNotReadyException: tests/emulator/test_realtime.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from aiohttp import web
+from botocore.exceptions import EventStreamError
+
+from tests import ROOT
+from tests.emulator.support import (
+    BUCKET,
+    front,
+    make_bucket,
+    notifications,
+    poll_object,
+    runtime,
+    stand_in,
+    subscribe,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_half_sent_body_is_answered_408_after_the_body_timeout(endpoint: str) -> None:
+    with stand_in() as (fake, url), front(url, endpoint, body_timeout_s=1.0) as api:
+        host, port = api[len("http://") :].split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as raw:
+            raw.sendall(
+                b"POST /endpoints/arbiter/invocations HTTP/1.1\r\nHost: x\r\n"
+                b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"half":'
+            )
+            started = time.monotonic()
+            answer = raw.recv(65536)
+            waited = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"RequestTimeout" in answer
+    assert waited < 10
+    assert fake.seen == []
+
+
+def test_a_stream_client_that_never_reads_is_dropped_and_the_container_call_ends(
+    endpoint: str,
+) -> None:
+    ended: list[str] = []
+    with stand_in() as (fake, url), front(url, endpoint, stream_idle_timeout_s=1.0) as api:
+
+        async def endless(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "application/jsonlines"})
+            await response.prepare(request)
+            try:
+                for _ in range(100_000):
+                    await response.write(b"x" * 65536 + b"\n")
+                ended.append("finished")
+            except (ConnectionError, asyncio.CancelledError):
+                ended.append("cut off")
+                raise
+            return response
+
+        fake.respond = endless
+        host, port = api[len("http://") :].split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as raw:
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            raw.sendall(
+                b"POST /endpoints/arbiter/invocations-response-stream HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Length: 2\r\n\r\n{}"
+            )
+            deadline = time.monotonic() + 30
+            while not ended and time.monotonic() < deadline:
+                time.sleep(0.1)  # never read
+    assert ended == ["cut off"]
+
+
+def _runtime(env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ARBITER_", "AWS_"))}
+    env.update(PYTHONPATH=str(ROOT), ARBITER_RUNTIME_PORT="0", **env_extra)
+    env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = "/nonexistent"
+    env["AWS_EC2_METADATA_DISABLED"] = "true"
+    return subprocess.run(
+        [sys.executable, "-m", "arbiter", "runtime"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_without_a_local_endpoint_the_runtime_refuses_real_aws_in_one_line() -> None:
+    unasked = _runtime({})
+    asked = _runtime({"ARBITER_RUNTIME_AWS": "true"})
+    for ran in (unasked, asked):
+        assert ran.returncode == 2, ran.stderr
+        lines = [line for line in ran.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("arbiter runtime: "), ran.stderr
+        assert "Traceback" not in ran.stderr
+    assert "ARBITER_AWS_ENDPOINT_URL" in unasked.stderr and "--aws" in unasked.stderr
+    assert "credentials" in asked.stderr
+
+
+def test_an_input_outside_the_roles_prefix_fails_as_access_denied(endpoint: str) -> None:
+    s3 = make_bucket(endpoint)
+    s3.put_object(Bucket=BUCKET, Key="secrets/payroll.json", Body=b'{"salary": 1}')
+    with stand_in() as (fake, url), front(url, endpoint) as api:
+        topics = subscribe(endpoint)
+        got = runtime(api).invoke_endpoint_async(
+            EndpointName="arbiter-async",
+            ContentType="application/json",
+            InputLocation=f"s3://{BUCKET}/secrets/payroll.json",
+        )
+        failure = json.loads(poll_object(s3, got["FailureLocation"]))
+        [note] = notifications(endpoint, topics["error"])
+    assert "AccessDenied" in note["failureReason"] and "async/input/" in note["failureReason"]
+    assert failure["failureReason"] == note["failureReason"]
+    assert fake.seen == []  # the container never saw the object
+
+
+def test_a_front_failure_after_the_stream_began_is_an_internal_stream_failure_event(
+    endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault of the front's own (injected in its framing) once the stream has begun ends it with
+    an InternalStreamFailure event: the 200 and the first parts are already sent."""
+    from emulator import eventstream
+
+    frame = eventstream.payload_parts
+
+    def failing(data: bytes) -> list[bytes]:
+        if b"FAIL-THE-FRONT" in data:
+            raise RuntimeError("injected framing fault")
+        return frame(data)
+
+    monkeypatch.setattr(eventstream, "payload_parts", failing)
+    with stand_in() as (fake, url), front(url, endpoint) as api:
+
+        async def bad_part(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "application/jsonlines"})
+            await response.prepare(request)
+            await response.write(b'{"first": 1}\n')
+            await asyncio.sleep(0.2)  # a part of its own
+            await response.write(b"FAIL-THE-FRONT")
+            return response
+
+        fake.respond = bad_part
+        got = runtime(api).invoke_endpoint_with_response_stream(EndpointName="arbiter", Body=b"{}")
+        parts = []
+        try:
+            with pytest.raises(EventStreamError) as caught:
+                for event in got["Body"]:
+                    parts.append(event["PayloadPart"]["Bytes"])
+        finally:
+            got["Body"].close()
+    assert parts[0] == b'{"first": 1}\n'
+    assert caught.value.response["Error"]["Code"] == "InternalStreamFailure"

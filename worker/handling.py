@@ -1,0 +1,134 @@
+"""One received message, start to end: read it, keep its lease while its jobs run, then answer SQS.
+
+A message is deleted only after every job it announces has its results and summary written (or is
+found already done, superseded, or ignorable; a shard or merge message: its step done). A failed
+receive is answered by :class:`~worker.dispatch.Dispatch` after its fault (:mod:`worker.faults`):
+a failure of the work backs off and counts towards the message's tries (:mod:`worker.tries`), a
+store or queue fault gives the message back without counting. A job no retry can fix (its input is
+gone) and a body that is no job at all go to the dead-letter queue at their first receive.
+
+While a job runs, its :class:`~worker.lease.Lease` keeps the message invisible, so a slow job is
+never handed to a second worker; when the lease cannot be kept (12-hour limit, extension refused),
+the job is stopped. A worker that dies stops renewing, and the message returns after the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import structlog
+
+from worker.dispatch import Dispatch, Failed
+from worker.events import UnreadableMessage, parse_message
+from worker.fanout import Delivery
+from worker.faults import Fault, Transient
+from worker.jobs import JobFailed, OutOfTries
+from worker.lease import Lease, LeaseLost, stop_together
+from worker.metrics import WorkerMetrics
+from worker.replies import QueueInfo, Replies
+from worker.settings import WorkerSettings
+from worker.tries import Receive, Tries
+
+log = structlog.get_logger("arbiter.worker")
+
+
+class LeaseLostToQueue(Transient):
+    """SQS refused to keep the message invisible, or could not be reached to."""
+
+    fault = Fault.QUEUE
+
+
+def lease_error(keeper: asyncio.Task[LeaseLost]) -> BaseException:
+    """What a lost lease counts as: the job's own fault (the 12-hour limit, a broken heartbeat),
+    or the queue's."""
+    crashed = keeper.exception()
+    if crashed is not None:
+        return JobFailed(f"the heartbeat failed: {crashed!r}")
+    lost = keeper.result()
+    return JobFailed(lost.reason) if lost.fault.counts else LeaseLostToQueue(lost.reason)
+
+
+class Handler:
+    """Handles received messages for one worker (see the module doc)."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        sqs: Any,
+        queue: QueueInfo,
+        tries: Tries,
+        dispatch: Dispatch,
+        replies: Replies,
+        metrics: WorkerMetrics,
+        visibility_limit_s: float,
+    ) -> None:
+        self.settings, self.sqs, self.queue, self.tries = settings, sqs, queue, tries
+        self.dispatch, self.replies, self.metrics = dispatch, replies, metrics
+        self.visibility_limit_s = visibility_limit_s
+
+    async def handle(self, message: dict[str, Any], received_at: float) -> Failed | None:
+        """Run every job the message announces, then answer SQS; the failure, if it failed."""
+        receive = Receive.of(message)
+        bound = structlog.contextvars.bound_contextvars(
+            message_id=message.get("MessageId"), receive_count=receive.count
+        )
+        with bound:
+            try:
+                entries = parse_message(
+                    message["Body"],
+                    bucket=self.settings.bucket,
+                    input_prefix=self.settings.input_prefix,
+                )
+            except UnreadableMessage as exc:
+                log.error("message.unreadable", reason=str(exc))
+                self.metrics.jobs.labels("unreadable").inc()
+                await self.replies.dead_letter(message, "unreadable")
+                return None
+            lease = Lease(
+                self.sqs,
+                self.queue.url,
+                message,
+                self.settings,
+                self.metrics,
+                received_at,
+                self.visibility_limit_s,
+            )
+            keeper = asyncio.create_task(lease.keep())
+            delivery = Delivery(message.get("MessageId"), receive.count)
+            work = asyncio.create_task(self.dispatch.run_all(entries, delivery))
+            try:
+                await asyncio.wait({keeper, work}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # whichever ends first stops the other (and a cancelled handle stops both)
+                await stop_together(keeper, work)
+            if work.cancelled():
+                self.metrics.jobs.labels("lease_lost").inc()
+                error = lease_error(keeper)
+                log.error("job.lease_lost", reason=str(error))
+                if keeper.exception() is None and keeper.result().gone:
+                    return None  # deleted, or another worker's now: nothing to answer
+                return await self.dispatch.fail(message, entries, receive, error)
+            failure = work.exception()
+            if isinstance(failure, OutOfTries):
+                await self._out_of_tries(message, receive, failure)
+            elif failure is not None:
+                return await self.dispatch.fail(message, entries, receive, failure)
+            elif work.result():
+                await self.replies.dead_letter(message, "permanent")
+            else:
+                await self.replies.delete(message)
+            return None
+
+    async def _out_of_tries(
+        self, message: dict[str, Any], receive: Receive, error: Exception
+    ) -> None:
+        """A job message past its tries, its job neither finished nor split: one last look after
+        two visibility timeouts (a slow holder the message was shown again behind may yet finish
+        or split it), then the dead-letter queue."""
+        if receive.last_look:
+            log.error("job.out_of_tries", tries=self.tries.limit, reason=str(error))
+            await self.replies.dead_letter(message, "max_receives")
+            return
+        delay = 2 * self.settings.visibility_timeout_s
+        log.warning("job.last_look", tries=self.tries.limit, retry_in_s=delay)
+        await self.replies.release(message, self.tries.carried(receive, last_look=True), delay)

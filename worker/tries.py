@@ -1,0 +1,135 @@
+"""How many tries a message has, and which of them a receive is: the one policy every step reads.
+
+**Tries.** The worker allows a message ``ARBITER_MAX_RECEIVE_COUNT`` receives (its *tries*); the
+queue's redrive policy allows :data:`REDRIVE_MARGIN` more, so the worker always sees the receive
+after a message's last try, even when that try died with its worker (SIGKILL, OOM, an abort in
+llama.cpp, a stopped task): a shard is then failed without running so its job still finishes; a job
+message gets one last look after a delay (a receive count can also grow because SQS showed the
+message again while a slow holder still worked on it: that holder may yet finish) and is
+dead-lettered if its job has neither a summary nor a manifest by then. Only a message that outlives
+even the margin (every receive failing before the worker can answer it) is moved by SQS's redrive.
+
+**What counts.** A receive's number is SQS's ``ApproximateReceiveCount`` plus the failed receives
+its message carried over from before a release (:data:`FAILED_RECEIVES`). Only a failure of the
+work itself (:class:`worker.faults.Fault`) is let count: a receive that failed on a store or queue
+fault, or that was released at a drain deadline, is given back as a new message that carries the
+count it had (so the receive is not counted, and SQS's redrive, which counts the message's own
+receives, never sees an outage), its count of such receives (:data:`OUTAGES`, for the backoff) and
+when they began (:data:`OUTAGE_SINCE`): a message failing on nothing but outages for longer than
+``ARBITER_MAX_OUTAGE_S`` is given up, loudly, before SQS's retention would drop it silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.policies import ExponentialBackoff
+
+REDRIVE_MARGIN = 3  # receives the queue's redrive allows beyond the worker's own tries
+SQS_MAX_DELAY_S = 900  # SendMessage's DelaySeconds limit
+
+FAILED_RECEIVES = "ArbiterFailedReceives"  # counted receives before a release
+LAST_LOOK = "ArbiterLastLook"  # a job out of tries, given one more look
+OUTAGES = "ArbiterOutages"  # receives that failed on a store or queue fault (not counted)
+OUTAGE_SINCE = "ArbiterOutageSince"  # epoch seconds of the first of them
+ATTRIBUTES = [FAILED_RECEIVES, LAST_LOOK, OUTAGES, OUTAGE_SINCE]
+
+
+def _number(message: dict[str, Any], name: str) -> float | None:
+    raw = message.get("MessageAttributes", {}).get(name, {}).get("StringValue")
+    with contextlib.suppress(TypeError, ValueError):
+        return float(raw)
+    return None
+
+
+@dataclass(frozen=True)
+class Receive:
+    """One receive of a message, as the tries see it."""
+
+    count: int  # its number among the message's counted tries
+    outages: int = 0  # earlier receives that failed on a store or queue fault
+    outage_since: float | None = None
+    last_look: bool = False
+
+    @classmethod
+    def of(cls, message: dict[str, Any]) -> Receive:
+        count = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
+        count += max(0, int(_number(message, FAILED_RECEIVES) or 0))
+        return cls(
+            count=count,
+            outages=max(0, int(_number(message, OUTAGES) or 0)),
+            outage_since=_number(message, OUTAGE_SINCE),
+            last_look=LAST_LOOK in message.get("MessageAttributes", {}),
+        )
+
+
+def _attribute(value: str, kind: str = "Number") -> dict[str, str]:
+    return {"DataType": kind, "StringValue": value}
+
+
+@dataclass(frozen=True)
+class Tries:
+    """The worker's tries on its queue (see the module doc): ``own`` is
+    ``ARBITER_MAX_RECEIVE_COUNT``, ``redrive`` the queue's ``maxReceiveCount`` (None: no DLQ)."""
+
+    own: int
+    redrive: int | None = None
+    backoff: ExponentialBackoff = field(default_factory=ExponentialBackoff)
+    max_outage_s: float = 86_400.0
+
+    @property
+    def limit(self) -> int:
+        """The receives the worker allows a message: its own limit, lowered if the queue's redrive
+        would move a message before the worker saw the receive after its last try."""
+        if self.redrive is None:
+            return self.own
+        return max(1, min(self.own, self.redrive - REDRIVE_MARGIN))
+
+    @property
+    def too_tight(self) -> bool:
+        """The queue's redrive lowered the worker's own tries."""
+        return self.limit < self.own
+
+    def last(self, count: int) -> bool:
+        """This receive is the message's last try (a failure of its work gives it up)."""
+        return count >= self.limit
+
+    def past(self, count: int) -> bool:
+        """The message's last try ended without an answer (it died with its worker)."""
+        return count > self.limit
+
+    def retry_delay(self, receive: Receive) -> int:
+        """Visibility delay after a counted failure."""
+        return self.backoff.delay(receive.count)
+
+    def outage_delay(self, receive: Receive) -> int:
+        """Delay of the copy of a message that failed on a store or queue fault: the backoff of
+        its outages, within SendMessage's 15-minute limit."""
+        return min(SQS_MAX_DELAY_S, self.backoff.delay(receive.outages + 1))
+
+    def outage_over(self, receive: Receive, now: float | None = None) -> bool:
+        """The message has failed on outages alone for longer than ``max_outage_s``."""
+        if receive.outage_since is None:
+            return False
+        return (time.time() if now is None else now) - receive.outage_since > self.max_outage_s
+
+    def carried(
+        self, receive: Receive, outage: bool = False, last_look: bool = False
+    ) -> dict[str, dict[str, str]]:
+        """The attributes of a message given back as a new one, this receive not counted:
+        ``outage``, it failed on a store or queue fault; ``last_look``, it is a job's last look
+        (carried by any later copy)."""
+        attributes = {FAILED_RECEIVES: _attribute(str(receive.count - 1))}
+        outages, since = receive.outages, receive.outage_since
+        if outage:
+            outages, since = outages + 1, since or time.time()
+        if outages:
+            attributes[OUTAGES] = _attribute(str(outages))
+        if since is not None:
+            attributes[OUTAGE_SINCE] = _attribute(f"{since:.0f}")
+        if last_look or receive.last_look:
+            attributes[LAST_LOOK] = _attribute("1", "String")
+        return attributes
