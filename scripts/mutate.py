@@ -871,6 +871,27 @@ MUTATIONS = (
         "PIECE_CONCURRENCY = 1  # ranged GETs",
         ("tests/worker/test_scale.py::test_the_merge_reads_the_pieces_of_a_part_several_at_once",),
     ),
+    # issue 27, piece 7: a refused job is told, and the fleet scales in by idle tasks
+    Mutation(
+        "rejection-recorded",
+        "worker/dispatch.py",
+        "                await write_rejection(self.fanout.s3, self.fanout.bucket, entry, exc)\n",
+        "",
+        (
+            "tests/worker/test_fanout_faults.py::"
+            "test_11_a_job_beyond_the_most_shards_is_refused_with_a_clear_error[.jsonl]",
+        ),
+    ),
+    Mutation(
+        "protected-while-held",
+        "worker/queue.py",
+        "                self.in_hand(True)\n",
+        "",
+        (
+            "tests/worker/test_protection.py::"
+            "test_the_pool_protects_its_task_while_a_worker_holds_a_message",
+        ),
+    ),
 )
 
 

@@ -71,6 +71,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
         )
         return 2
     print(json.dumps(summary, indent=2))
+    if "rejected" in summary:
+        print(f"arbiter submit: the job was rejected: {summary['rejected']}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -15,7 +15,7 @@ import structlog
 from worker.events import Ignored, Ref, ShardRef
 from worker.fanout import Delivery, FanOut
 from worker.faults import Fault, classify, describe
-from worker.jobs import JobRejected, JobReport
+from worker.jobs import JobRejected, JobReport, write_rejection
 from worker.metrics import WorkerMetrics
 from worker.replies import Replies
 from worker.tries import Receive, Tries
@@ -51,6 +51,7 @@ class Dispatch:
                 await self.run(entry, delivery)
             except JobRejected as exc:
                 log.error("job.rejected", key=entry.key, reason=str(exc))
+                await write_rejection(self.fanout.s3, self.fanout.bucket, entry, exc)
                 self.metrics.jobs.labels("rejected").inc()
                 rejected.append(str(exc))
         return rejected

@@ -39,9 +39,9 @@ from arbiter.errors import ArbiterError, EngineFailure
 from arbiter.schema import DecisionRequest, DecisionResult
 from arbiter.scorer import Scorer
 from arbiter.settings import MB as MiB
-from worker.events import JobRef, normalize_etag
+from worker.events import JobRef, Ref, normalize_etag
 from worker.formats import PIECE, Item, items_for
-from worker.s3io import abort_uploads, exists, gone, put_new, upload_spool
+from worker.s3io import abort_uploads, exists, gone, put_json, put_new, upload_spool
 from worker.settings import WorkerSettings
 
 MAX_KEY_BYTES = 1024  # S3's limit on an object key
@@ -54,7 +54,13 @@ class JobFailed(Exception):
 
 
 class JobRejected(Exception):
-    """No retry can complete the job (its input object is gone): dead-lettered at once."""
+    """No retry can complete the job (its input object is gone, or needs too many shards):
+    dead-lettered at once. ``keys``: the job's outputs, where known; its rejection record is
+    written beside them (:func:`write_rejection`), so whoever waits for the summary is told."""
+
+    def __init__(self, reason: str, keys: OutputKeys | None = None) -> None:
+        super().__init__(reason)
+        self.keys = keys
 
 
 class OutOfTries(Exception):
@@ -66,6 +72,11 @@ class OutOfTries(Exception):
 class OutputKeys:
     results: str
     summary: str
+
+    @property
+    def rejected(self) -> str:
+        """``....<etag>.rejected.json``: why the job was refused (never beside a summary)."""
+        return self.summary.removesuffix(".summary.json") + ".rejected.json"
 
 
 def output_keys(settings: WorkerSettings, key: str, etag: str) -> OutputKeys:
@@ -276,7 +287,8 @@ async def locate(s3: Any, ref: JobRef, settings: WorkerSettings) -> Located | Jo
         head = await s3.head_object(**head_kw)
     except ClientError as exc:
         if await gone(s3, ref.bucket, ref.key, exc):
-            raise JobRejected(f"the input {where} no longer exists") from exc
+            keys = output_keys(settings, ref.key, ref.etag) if ref.etag else None
+            raise JobRejected(f"the input {where} no longer exists", keys) from exc
         raise JobFailed(f"cannot read {where}: {exc}") from exc
     etag = normalize_etag(head["ETag"]) or ""
     if ref.etag and ref.etag != etag:
@@ -295,8 +307,25 @@ async def open_input(s3: Any, ref: JobRef, found: Located) -> Any:
     except ClientError as exc:
         if await gone(s3, ref.bucket, ref.key, exc):
             where = f"s3://{ref.bucket}/{ref.key}"
-            raise JobRejected(f"the input {where} no longer exists") from exc
+            raise JobRejected(f"the input {where} no longer exists", found.keys) from exc
         raise
+
+
+async def write_rejection(s3: Any, bucket: str, ref: Ref, rejected: JobRejected) -> None:
+    """The record of a job refused for good, at ``keys.rejected``: before it, `arbiter submit` (and
+    anyone polling for the summary) waited out its timeout for a summary that never comes. A
+    re-run that succeeds (the input re-sent, a larger shard size) writes its summary as usual;
+    submit reads a rejection only if it is newer than its own upload."""
+    if rejected.keys is None:
+        return
+    record = {
+        "input": {"bucket": ref.bucket, "key": ref.key, "etag": ref.etag},
+        "rejected": str(rejected),
+        "summary_key": rejected.keys.summary,
+        "worker": {"host": socket.gethostname(), "pid": os.getpid()},
+        "finished_at": datetime.now(UTC).isoformat(),
+    }
+    await put_json(s3, bucket, rejected.keys.rejected, record)
 
 
 async def tally_results(s3: Any, bucket: str, key: str) -> tuple[_Tally, Any]:

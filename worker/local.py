@@ -106,6 +106,9 @@ async def _demo(settings: WorkerSettings, path: Any) -> None:
     if summary is None:
         print("the example job did not finish in 15 minutes", flush=True)
         return
+    if "rejected" in summary:
+        print(f"the job was rejected: {summary['rejected']}", flush=True)
+        return
     brief = {k: summary[k] for k in ("lines", "ok", "failed", "errors_by_code", "seconds")}
     print(f"job summary: {json.dumps(brief)}", flush=True)
     async with get_session().create_client("s3", **settings.client_kwargs()) as s3:

@@ -34,6 +34,17 @@ class WorkerMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.task_protected = Gauge(
+            "arbiter_worker_task_protected",
+            "1 while the pool holds the ECS task's scale-in protection (worker/protection.py).",
+            multiprocess_mode="livemax",
+            registry=registry,
+        )
+        self.task_protection_errors = Counter(
+            "arbiter_worker_task_protection_errors_total",
+            "Calls to the ECS agent's task-protection endpoint that failed or were refused.",
+            registry=registry,
+        )
         self.decisions_per_s = Gauge(
             "arbiter_worker_decisions_per_second",
             "Decisions per second of the latest job, summed over live worker processes.",

@@ -30,6 +30,7 @@ import structlog
 
 from arbiter.logging import configure
 from worker.policies import RestartPolicy
+from worker.protection import InHand, TaskProtection
 from worker.settings import MULTIPROC_ENV, WorkerSettings
 
 
@@ -57,13 +58,14 @@ def load_engine_factory(spec: str) -> Callable[..., Any]:
 # -- one worker process ----------------------------------------------------------------------------
 
 
-def worker_main(settings_data: dict[str, Any], index: int) -> None:
-    """Entry point of a worker process: engine, clients, consumer, until SIGTERM."""
+def worker_main(settings_data: dict[str, Any], index: int, slots: Any = None) -> None:
+    """Entry point of a worker process: engine, clients, consumer, until SIGTERM. ``slots``: the
+    pool's shared array where this process marks a message in hand (task protection)."""
     configure()
     structlog.contextvars.bind_contextvars(worker=index, pid=os.getpid())
     settings = WorkerSettings.model_validate(settings_data)
     try:
-        asyncio.run(_worker(settings))
+        asyncio.run(_worker(settings, None if slots is None else InHand(slots, index)))
     except Exception:
         structlog.get_logger("arbiter.worker").exception("worker.crashed")
         sys.stderr.flush()
@@ -74,7 +76,7 @@ def worker_main(settings_data: dict[str, Any], index: int) -> None:
     os._exit(0)
 
 
-async def _worker(settings: WorkerSettings) -> None:
+async def _worker(settings: WorkerSettings, in_hand: InHand | None = None) -> None:
     from aiobotocore.session import get_session
 
     from arbiter.settings import engine_from_environment
@@ -93,7 +95,9 @@ async def _worker(settings: WorkerSettings) -> None:
         session.create_client("sqs", **settings.client_kwargs()) as sqs,
     ):
         queue = await describe_queue(sqs, settings)
-        consumer = Consumer(settings, s3, sqs, engine, queue, WorkerMetrics(registry=None))
+        consumer = Consumer(
+            settings, s3, sqs, engine, queue, WorkerMetrics(registry=None), in_hand=in_hand
+        )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, consumer.stop)
@@ -121,11 +125,14 @@ class Pool:
             settings.restart_reset_s,
         )
         self.log = structlog.get_logger("arbiter.pool")
+        # Which workers hold a message, for the task's scale-in protection (on ECS only).
+        protect = settings.task_protection and settings.ecs_agent_uri
+        self.slots = self._ctx.RawArray("i", settings.worker_processes) if protect else None
 
     def _start(self, index: int) -> None:
         proc = self._ctx.Process(
             target=worker_main,
-            args=(self.settings.model_dump(), index),
+            args=(self.settings.model_dump(), index, self.slots),
             name=f"arbiter-worker-{index}",
         )
         proc.start()
@@ -143,6 +150,7 @@ class Pool:
         metrics = WorkerMetrics(registry=None)
         for index in range(self.settings.worker_processes):
             self._start(index)
+        protecting = self._protect(metrics)
         status = 0
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
@@ -165,15 +173,34 @@ class Pool:
         try:
             await self._shutdown(mark_process_dead)
         finally:
+            if protecting is not None:
+                protecting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await protecting
             for proc in self._procs.values():  # whatever happened above, leave no worker behind
                 if proc.exitcode is None:
                     proc.kill()
                     proc.join(5)
         return status
 
+    def _protect(self, metrics: Any) -> asyncio.Task[None] | None:
+        """The task's scale-in protection, kept while any worker holds a message."""
+        if self.slots is None or self.settings.ecs_agent_uri is None:
+            return None
+        protection = TaskProtection(
+            self.settings.ecs_agent_uri,
+            self.settings.task_protection_minutes,
+            self.settings.task_protection_idle_s,
+            metrics,
+        )
+        slots = self.slots
+        return asyncio.create_task(protection.run(lambda: any(slots), self._stopping))
+
     def _died(self, index: int, proc: Any, now: float, mark_dead: Callable[[int], None]) -> bool:
         """Schedule the restart of a dead worker; False if it is crash-looping (give up)."""
         mark_dead(proc.pid)
+        if self.slots is not None:  # its message goes back to the queue: it holds none now
+            self.slots[index] = 0
         lived = now - self._started_at[index]
         crashes = self.restarts.crashes(self._crashes.get(index, 0), lived)
         self._crashes[index] = crashes

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -62,8 +63,11 @@ class Consumer:
         queue: QueueInfo,
         metrics: WorkerMetrics | None = None,
         visibility_limit_s: float = SQS_MAX_VISIBILITY_S,
+        in_hand: Callable[[bool], None] | None = None,
     ) -> None:
         self.settings = settings
+        # Told True while a message is held, False after (the pool's task protection).
+        self.in_hand = in_hand or (lambda holding: None)
         self.s3 = s3
         self.sqs = sqs
         self.engine = engine
@@ -166,8 +170,12 @@ class Consumer:
                 continue
             self.queue_breaker.closed()
             for message in messages:
-                task = asyncio.create_task(self.handle(message, received_at))
-                await self._drain_or_finish(task, message)
+                self.in_hand(True)
+                try:
+                    task = asyncio.create_task(self.handle(message, received_at))
+                    await self._drain_or_finish(task, message)
+                finally:
+                    self.in_hand(False)
                 if self._stop.is_set():
                     return
 

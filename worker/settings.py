@@ -220,6 +220,27 @@ class PoolSettings(_Env):
         default=9108, ge=0, le=65535, description="Prometheus /metrics of the pool (0: off)."
     )
     metrics_host: str = Field(default="127.0.0.1", description="Address /metrics binds to.")
+    ecs_agent_uri: str | None = Field(
+        default=None,
+        validation_alias="ECS_AGENT_URI",
+        description="Set by ECS in every task's containers: the agent's endpoint, where the pool "
+        "sets the task's scale-in protection (worker/protection.py). Unset: no protection.",
+    )
+    task_protection: bool = Field(
+        default=True,
+        description="On ECS, protect the task from scale-in while a worker holds a message.",
+    )
+    task_protection_minutes: int = Field(
+        default=60,
+        ge=1,
+        le=2880,
+        description="How long each protection is asked for; renewed at half of it while held.",
+    )
+    task_protection_idle_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="Idle time of every worker process before the protection is cleared.",
+    )
 
     def threads_per_process(self) -> int:
         return self.worker_threads or max(1, cpu_count() // self.worker_processes)

@@ -146,7 +146,7 @@ def test_image_pattern_refuses_tags(serving: dict[str, Any]):
 
 def test_worker_role_is_least_privilege(serving: dict[str, Any]):
     """Read the input prefix and the model, write the output prefix, keep shards under the shard
-    prefix, use the queue: nothing else."""
+    prefix, use the queue, protect its own task from scale-in: nothing else."""
     granted = statements(serving["Resources"]["WorkerTaskRole"])
     assert {sid: actions(s) for sid, s in granted.items()} == {
         "ReadJobsAndModel": {"s3:GetObject"},
@@ -168,6 +168,7 @@ def test_worker_role_is_least_privilege(serving: dict[str, Any]):
             "sqs:GetQueueUrl",
         },
         "PoisonToDeadLetter": {"sqs:SendMessage", "sqs:GetQueueUrl"},
+        "OwnScaleInProtection": {"ecs:UpdateTaskProtection", "ecs:GetTaskProtection"},
     }
     for statement in granted.values():
         assert statement["Effect"] == "Allow"
@@ -227,6 +228,27 @@ def test_worker_pool_scales_on_queue_depth_to_zero(serving: dict[str, Any]):
         props(serving, "WorkerScaleToZero")["StepScalingPolicyConfiguration"]["AdjustmentType"]
         == "ExactCapacity"
     )
+
+
+def test_worker_pool_scales_in_by_idle_tasks_which_alone_are_unprotected(serving: dict[str, Any]):
+    """Through a job's tail the idle tasks go (not only all of them, 10 minutes after the end), and
+    the tasks ECS may stop are the idle ones: each protects itself while it holds a message."""
+    idle = props(serving, "WorkerTasksIdle")
+    assert idle["AlarmActions"] == [{"Ref": "WorkerScaleIn"}]
+    [expression] = [m["Expression"] for m in idle["Metrics"] if "Expression" in m]
+    assert expression == "IF(visible == 0 AND inflight > 0, tasks - inflight, 0)"
+    stats = {m["Id"]: m["MetricStat"] for m in idle["Metrics"] if "MetricStat" in m}
+    assert stats["tasks"]["Metric"]["MetricName"] == "RunningTaskCount"
+    assert stats["tasks"]["Metric"]["Namespace"] == "ECS/ContainerInsights"
+    cluster = props(serving, "WorkerCluster")["ClusterSettings"]
+    assert {"Name": "containerInsights", "Value": "enabled"} in cluster  # RunningTaskCount's source
+    steps = props(serving, "WorkerScaleIn")["StepScalingPolicyConfiguration"]["StepAdjustments"]
+    assert [s["ScalingAdjustment"] for s in steps] == [-1, -4, -10]
+    grant = statements(serving["Resources"]["WorkerTaskRole"])["OwnScaleInProtection"]
+    assert actions(grant) == {"ecs:UpdateTaskProtection", "ecs:GetTaskProtection"}
+    assert "task/${WorkerCluster}/*" in grant["Resource"]["Fn::Sub"]
+    # The pool protects the task by default wherever ECS runs it (ECS_AGENT_URI is set there).
+    assert WorkerSettings(ECS_AGENT_URI="http://169.254.170.2/api/x").task_protection
 
 
 def test_container_environment_names_real_settings(serving: dict[str, Any]):

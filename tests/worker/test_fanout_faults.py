@@ -48,6 +48,7 @@ from tests.worker.scenarios import (
 )
 from worker.events import parse_message
 from worker.jobs import output_keys
+from worker.submit import submit
 from worker.tries import Tries
 
 # -- 1, 2, 3: a committed write whose answer was lost --------------------------------------------
@@ -374,7 +375,7 @@ async def test_10_a_key_holding_another_jobs_folder_name_does_not_share_its_shar
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
 async def test_11_a_job_beyond_the_most_shards_is_refused_with_a_clear_error(
-    endpoint: str, monkeypatch: pytest.MonkeyPatch, suffix: str
+    endpoint: str, monkeypatch: pytest.MonkeyPatch, suffix: str, tmp_path: Any
 ) -> None:
     """Refused with the limit named, and before the split (issue 27): the input is read and cut
     without a write, so no shard input is uploaded only to be deleted, for a plain and a
@@ -399,19 +400,40 @@ async def test_11_a_job_beyond_the_most_shards_is_refused_with_a_clear_error(
             writes.append(call.key)
         return "forward"
 
+    job = tmp_path / f"huge{suffix}"
+    job.write_bytes(gzip.compress(_body(20)) if suffix.endswith(".gz") else _body(20))
     async with aws_clients(endpoint) as (s3, sqs):
         stack = await _stack(s3, sqs, settings)
-        body = gzip.compress(_body(20)) if suffix.endswith(".gz") else _body(20)
-        await s3.put_object(Bucket="jobs", Key=f"incoming/huge{suffix}", Body=body)
         async with Fleet(endpoint, settings, watch, workers=1) as fleet:
+            # As a user would: `arbiter submit` is told at once, not after its timeout.
+            told = asyncio.create_task(submit(settings, job, timeout_s=30, progress=False))
             dead = await _wait_dead(fleet, sqs, stack)
+            record = await asyncio.wait_for(told, 10)
         left = await list_keys(s3, "jobs", "shards/")
         results = await list_keys(s3, "jobs", "results/")
     assert [
         parse_message(m["Body"], bucket="jobs", input_prefix="incoming/")[0].key for m in dead
     ] == [f"incoming/huge{suffix}"]
-    assert left == [] and results == []  # refused whole, nothing half-done left
+    assert record is not None and "more than 3 shards" in record["rejected"]
+    assert record["input"]["key"] == f"incoming/huge{suffix}"
+    # Refused whole, nothing half-done left: its rejection record is all there is.
+    assert left == [] and [k.endswith(".rejected.json") for k in results] == [True]
     assert sent == [] and [w for w in writes if w.startswith("shards/")] == []  # nothing first
+
+
+async def test_submit_takes_no_earlier_runs_rejection_for_its_own(
+    endpoint: str, tmp_path: Any
+) -> None:
+    """A rejection record older than the upload (an earlier run's) is not this job's answer."""
+    settings = _settings(endpoint)
+    job = tmp_path / "again.jsonl"
+    job.write_bytes(_body(2))
+    keys = output_keys(settings, "incoming/again.jsonl", hashlib.md5(_body(2)).hexdigest())
+    async with aws_clients(endpoint) as (s3, sqs):
+        await _stack(s3, sqs, settings)
+        await s3.put_object(Bucket="jobs", Key=keys.rejected, Body=b'{"rejected": "old"}')
+        await asyncio.sleep(1.1)  # S3's LastModified is to the second
+        assert await submit(settings, job, timeout_s=1.5, progress=False) is None
 
 
 async def _wait_dead(fleet: Fleet, sqs: Any, stack: dict[str, str]) -> list[dict[str, Any]]:

@@ -224,7 +224,19 @@ def test_local_stack_and_submit_with_the_real_engine(spawn, tmp_path: Path) -> N
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ARBITER_", "PROMETHEUS_"))}
     env.update(PYTHONPATH=str(ROOT), ARBITER_WAIT_TIME_S="1", ARBITER_METRICS_PORT="0")
     env.pop("AWS_ACCESS_KEY_ID", None)
-    local = spawn([sys.executable, "-m", "arbiter", "local", "--moto-port", "0", "--no-serve", "--no-runtime"], env)
+    local = spawn(
+        [
+            sys.executable,
+            "-m",
+            "arbiter",
+            "local",
+            "--moto-port",
+            "0",
+            "--no-serve",
+            "--no-runtime",
+        ],
+        env,
+    )
     deadline = time.monotonic() + 60
     endpoint = ""
     while not endpoint and time.monotonic() < deadline:

@@ -195,7 +195,7 @@ async def count_shards(
         async for _, data in raw_items_for(ref.key, raw_chunks(body), settings.max_line_bytes):
             if cutter.boundary(items, previous, data):
                 if shards == MAX_SHARDS:
-                    raise JobRejected(too_many(shard_lines))
+                    raise JobRejected(too_many(shard_lines), found.keys)
                 shards, items = shards + 1, 0
             items += 1
             previous = data
@@ -229,7 +229,7 @@ async def split_input(
             async for number, data in raw:
                 if cutter.boundary(current.items, previous, data):
                     if len(shards) == MAX_SHARDS - 1:
-                        raise JobRejected(too_many(shard_lines))
+                        raise JobRejected(too_many(shard_lines), found.keys)
                     shards.append(current)
                     await uploader.send(current)
                     current = _Shard.open(len(shards), settings.tmp_dir)
