@@ -97,9 +97,11 @@ soak: $(STAMP)
 # Each named fix undone in turn, its tests run and expected to fail, the file restored
 # (scripts/mutate.py lists them; `make mutate MUTATIONS="name ..."` runs some), two at once, each in
 # its own copy of the tree.
+# MUTATE_SHARE=K/N runs every N-th (today/N: a different share each day; CI runs today/3).
 MUTATIONS ?=
+MUTATE_SHARE ?=
 mutate: $(STAMP)
-	$(BIN)/python scripts/mutate.py $(MUTATIONS)
+	$(BIN)/python scripts/mutate.py $(MUTATIONS) $(if $(MUTATE_SHARE),--share $(MUTATE_SHARE))
 
 # The GPU check's rehearsal (docs/gpu-check.md): the device run, on a CPU build of the same trimmed
 # llama.cpp tree in a device-like Python, plus the size check of what the device call carries.

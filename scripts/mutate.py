@@ -1007,6 +1007,21 @@ SLOW = {
 }
 
 
+# Run by every share: the proof that the campaign can fail (issue 27 asks it of CI).
+ALWAYS = ("fail-every-shard",)
+
+
+def share(chosen: list[Mutation], spec: str, parser: argparse.ArgumentParser) -> list[Mutation]:
+    part, _, of = spec.partition("/")
+    if not of.isdigit() or int(of) < 1 or not (part == "today" or part.isdigit()):
+        parser.error(f"--share {spec!r}: expected K/N or today/N")
+    n = int(of)
+    k = time.gmtime().tm_yday % n if part == "today" else int(part) % n
+    picked = [m for i, m in enumerate(chosen) if i % n == k or m.name in ALWAYS]
+    print(f"share {k}/{n}: {len(picked)} of {len(chosen)} mutations", flush=True)
+    return picked
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
@@ -1018,6 +1033,12 @@ def main(argv: list[str] | None = None) -> int:
         default=min(2, os.cpu_count() or 1),
         help="mutations run at once, each in its own copy of the tree (default: 2, or 1 on 1 CPU)",
     )
+    parser.add_argument(
+        "--share",
+        metavar="K/N",
+        help="only every N-th mutation, from the K-th (K 'today': the day's number modulo N, so "
+        "the CI runs of N days cover them all); the campaign's fail-every-shard always runs",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for m in MUTATIONS:
@@ -1028,6 +1049,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown mutations: {', '.join(unknown)} (see --list)")
     chosen = [known[n] for n in args.names] if args.names else list(MUTATIONS)
+    if args.share:
+        chosen = share(chosen, args.share, parser)
     # A SIGTERM (a CI timeout) still removes the copies.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     return run_all(chosen, max(1, min(args.jobs, len(chosen))), args.timeout)
