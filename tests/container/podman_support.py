@@ -80,9 +80,15 @@ class Container:
         return out.stdout + out.stderr
 
     def state(self) -> dict[str, Any]:
-        out = podman("inspect", "--format", "{{json .State}}", self.name)
-        state: dict[str, Any] = json.loads(out.stdout)
-        return state
+        """``podman inspect``'s State. Asked again a few times: an inspect that races the
+        container's own exit was seen to fail (status 125) once, the container still there."""
+        for _ in range(5):
+            out = podman("inspect", "--format", "{{json .State}}", self.name, check=False)
+            if out.returncode == 0:
+                state: dict[str, Any] = json.loads(out.stdout)
+                return state
+            time.sleep(0.2)
+        raise AssertionError(f"podman inspect {self.name}: status {out.returncode}: {out.stderr}")
 
     def running(self) -> bool:
         return bool(self.state().get("Running"))
