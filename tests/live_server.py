@@ -53,18 +53,9 @@ def serve(
         runner = holder["runner"]
         assert isinstance(runner, web.AppRunner)
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=60)
-        stop_loop(loop, thread)
-
-
-def stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
-    """Stop a loop running in ``thread`` and close it once what was closed on it has finished
-    closing: a transport closes on the loop's next turns, and one left half-closed is reported as
-    an unclosed transport later, at a garbage collection in whatever test runs then."""
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=30)
-    loop.run_until_complete(asyncio.sleep(0.05))
-    loop.run_until_complete(loop.shutdown_asyncgens())
-    loop.close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        loop.close()
 
 
 async def ready(client: Any) -> None:

@@ -182,7 +182,6 @@ def proxy(moto: str, decide: Callable[[Any], str]) -> Iterator[str]:
     import threading
 
     from tests.faults.proxy import FaultProxy
-    from tests.live_server import stop_loop
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="fault-proxy", daemon=True)
@@ -197,7 +196,9 @@ def proxy(moto: str, decide: Callable[[Any], str]) -> Iterator[str]:
         yield asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
     finally:
         asyncio.run_coroutine_threadsafe(faulty.close(), loop).result(timeout=30)
-        stop_loop(loop, thread)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        loop.close()
 
 
 def poll_object(s3: Any, location: str, within_s: float = 60) -> bytes:
