@@ -71,22 +71,20 @@ class TaskProtection:
         self.idle_since = None if busy else (now if self.idle_since is None else self.idle_since)
         if now < self.quiet_until:
             return
-        if busy:
-            half_left = (
-                self.protected_until is not None and now < self.protected_until - self.minutes * 30
+        if busy:  # protect, or renew once half of the protection has run
+            renew_at = (
+                None if self.protected_until is None else self.protected_until - self.minutes * 30
             )
-            if not half_left:
-                if await self._put(True):
-                    self.protected_until = now + self.minutes * 60
-                else:
-                    self.quiet_until = now + self.retry_s
+            want: bool | None = True if renew_at is None or now >= renew_at else None
+        else:  # clear, once idle for the grace
+            graced = self.idle_since is not None and now - self.idle_since >= self.idle_s
+            want = False if self.protected_until is not None and graced else None
+        if want is None:
             return
-        graced = self.idle_since is not None and now - self.idle_since >= self.idle_s
-        if self.protected_until is not None and graced:
-            if await self._put(False):
-                self.protected_until = None
-            else:
-                self.quiet_until = now + self.retry_s
+        if await self._put(want):
+            self.protected_until = now + self.minutes * 60 if want else None
+        else:
+            self.quiet_until = now + self.retry_s
 
     async def run(self, busy: Any, stopping: asyncio.Event, every_s: float = 1.0) -> None:
         """Call :meth:`update` every ``every_s`` with ``busy()`` until ``stopping`` is set."""

@@ -21,7 +21,7 @@ from worker.events import normalize_etag
 from worker.fanout.job import SHARD_LINES_METADATA
 from worker.fanout.status import status_key
 from worker.jobs import output_keys
-from worker.s3io import get_json, is_missing
+from worker.s3io import get_json, gone
 from worker.settings import WorkerSettings
 
 
@@ -38,7 +38,7 @@ async def _rejection(s3: Any, bucket: str, key: str, uploaded: Any) -> dict[str,
     try:
         got = await s3.get_object(Bucket=bucket, Key=key)
     except ClientError as exc:
-        if is_missing(exc):
+        if await gone(s3, bucket, key, exc):  # as get_json: a 403 of a scoped role, resolved
             return None
         raise
     if got["LastModified"] < uploaded:
