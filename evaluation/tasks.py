@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from arbiter.schema import DecisionRequest
 from arbiter.systemone import SystemOneRequest, to_decisions
 
-_META_KEYS = ("label", "tier", "family", "split", "group")
+_META_KEYS = ("label", "tier", "family", "split", "group", "hard", "rationale")
 _YES = {"yes", "true", "1"}
 _NO = {"no", "false", "0"}
 _TIERS = (("easy", "easy"), ("original", "standard"), ("standard", "standard"), ("hard", "hard"))
