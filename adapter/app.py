@@ -63,13 +63,23 @@ async def models(request: web.Request) -> web.Response:
                     "created": 0,
                     "owned_by": "arbiter",
                     # The read check at load (``engine.read_check``): the probes' label mass.
-                    "meta": {**info.model_dump(), "read_check": _read_check(engine)},
+                    "meta": {
+                        **info.model_dump(),
+                        "read_check": _read_check(engine),
+                        # How probabilities are calibrated, and the abstention thresholds.
+                        "calibration": _calibration(engine),
+                    },
                 }
             ],
             # The TypeSafe SDK's models.list() reads this key.
             "models": systemone.models_listing(engine),
         }
     )
+
+
+def _calibration(engine: Engine) -> dict[str, object] | None:
+    info = getattr(engine, "calibration_info", None)  # a fake engine may have none
+    return info() if info is not None else None
 
 
 def _read_check(engine: Engine) -> dict[str, object] | None:

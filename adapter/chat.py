@@ -111,7 +111,7 @@ class ChatCompletionRequest(GenerationFields):
     stream_options: StreamOptions | None = None
     # The chat template's keywords, as llama.cpp's server takes them (``templates.caller_kwargs``).
     chat_template_kwargs: dict[str, Any] | None = Field(
-        default=None, description="Passed to the chat template, e.g. {\"enable_thinking\": false}."
+        default=None, description='Passed to the chat template, e.g. {"enable_thinking": false}.'
     )
     reasoning_effort: Text | None = Field(
         default=None, description='Passed to the template; "none" turns thinking off.'
@@ -129,7 +129,6 @@ class ChatCompletionRequest(GenerationFields):
     @property
     def template_kwargs(self) -> dict[str, Any]:
         return caller_kwargs(self.chat_template_kwargs, self.reasoning_effort, self.enable_thinking)
-
 
 
 # -- prompt ----------------------------------------------------------------------------------------

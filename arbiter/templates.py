@@ -44,7 +44,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Keys a caller's ``chat_template_kwargs`` may not set: the renderer's own inputs.
 RESERVED_KWARGS = frozenset(
-    {"messages", "add_generation_prompt", "tools", "functions", "documents", "bos_token", "eos_token"}
+    {
+        "messages",
+        "add_generation_prompt",
+        "tools",
+        "functions",
+        "documents",
+        "bos_token",
+        "eos_token",
+    }
 )
 # llama.cpp's server passes the date in these forms (``date_string``: Llama 3.x; ``datetime``:
 # firefunction-v2).

@@ -1,25 +1,43 @@
-"""`arbiter calibrate`'s fitting: temperatures per question type, measured on held-out items.
+"""`arbiter calibrate`'s fitting: the read policy, temperatures and abstention scores of one model.
 
-Fitting minimizes the mean negative log-likelihood of the labels under softmax(logits / T), one T per
-question type (``noul``, ``choice``, ``score``; decisions without a type use the global T) plus one
-global T over everything. The search is 1-D over log T: a grid, then a golden-section refinement in
-the best grid cell (the NLL is smooth and unimodal in log T for all practical purposes). The result
-is a ``Calibration`` (``arbiter.engine.calibration``), which the engine applies when serving.
+From raw reads of labeled items in several orders (``reads``), split into a fit part and a
+held-out part:
+
+1. **The position prior** per option count, label-free, from the fit items' cyclic rotations
+   (``rotation.fit_prior``).
+2. **The margin** of adaptive rotation: the smallest on ``MARGINS`` whose replayed flip rate
+   between the given and the reversed order on the fit part is at most ``target_flip_rate`` (labels
+   are not used either).
+3. Per read policy (adaptive, single), replayed on the fit part: **temperatures** by NLL (a global
+   one; per question type and per type and option-count bucket where ``min_items`` items exist),
+   then the fit items' calibrated top probabilities and correctness, the **abstention** scores.
+4. The same replayed on the held-out part, against the raw single read at T = 1 (what Arbiter did
+   before): accuracy, NLL, Brier, ECE, flips, orders read, the risk-coverage points and the
+   fitted abstention thresholds' error and coverage.
+
+The temperature search is 1-D over log T: a grid, then a golden-section refinement in the best
+grid cell (the NLL is smooth and unimodal in log T for all practical purposes).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from arbiter.engine.calibration import QUESTION_TYPES, Calibration
+from arbiter.engine.abstention import Abstention
+from arbiter.engine.calibration import Calibration, PolicyCalibration, Temperatures, bucket
 from arbiter.engine.probabilities import logsumexp, softmax
+from arbiter.engine.rotation import Read, ReadPolicy, fit_prior
 from evaluation import metrics
+from evaluation.policy import Replayed, flip_rate, mean_reads, replay_all
+from evaluation.reads import reads_of
 
 LOG_T_RANGE = (math.log(0.02), math.log(50.0))
+MARGINS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
+BUDGETS = (0.01, 0.05, 0.1)
 
 
 def _padded(logits: Sequence[Sequence[float]]) -> np.ndarray:
@@ -70,20 +88,30 @@ def fit_temperature(
     return float(math.exp((lo + hi) / 2))
 
 
-def fit(
+def fit_temperatures(
     logits: Sequence[Sequence[float]],
     labels: Sequence[int],
     types: Sequence[str | None],
-    min_items: int = 8,
-) -> tuple[float, dict[str, float]]:
-    """A global temperature, and one per question type that has at least ``min_items`` items."""
+    min_items: int = 25,
+) -> Temperatures:
+    """A global temperature; one per question type, per type and bucket, and per bucket of any
+    type, each where at least ``min_items`` items exist."""
     global_t = fit_temperature(logits, labels)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, (row, kind) in enumerate(zip(logits, types, strict=True)):
+        b = bucket(len(row))
+        if kind is not None:
+            groups.setdefault(("type", kind), []).append(i)
+            groups.setdefault(("bucket", f"{kind}:{b}"), []).append(i)
+        groups.setdefault(("bucket", f"any:{b}"), []).append(i)
     by_type: dict[str, float] = {}
-    for kind in QUESTION_TYPES:
-        rows = [i for i, t in enumerate(types) if t == kind]
-        if len(rows) >= min_items:
-            by_type[kind] = fit_temperature([logits[i] for i in rows], [labels[i] for i in rows])
-    return global_t, by_type
+    by_bucket: dict[str, float] = {}
+    for (level, name), rows in sorted(groups.items()):
+        if len(rows) < min_items:
+            continue
+        t = fit_temperature([logits[i] for i in rows], [labels[i] for i in rows])
+        (by_type if level == "type" else by_bucket)[name] = t
+    return Temperatures(global_t, by_type, by_bucket)
 
 
 def split_items(
@@ -100,49 +128,137 @@ def split_items(
     return fit, [r for i, r in enumerate(records) if i in held_idx]
 
 
-def scored_metrics(
-    records: Sequence[dict[str, Any]], temperature: Callable[[dict[str, Any]], float]
-) -> dict[str, Any]:
-    """NLL, Brier, ECE and accuracy of logit records under a per-record temperature."""
-    if not records:
-        return {"n": 0, "nll": None, "brier": None, "ece": None, "accuracy": None}
-    probs = [softmax(r["option_logits"], temperature(r)).tolist() for r in records]
-    labels = [r["label_index"] for r in records]
-    top = [int(np.argmax(p)) for p in probs]
-    nll = -float(np.mean([math.log(max(p[y], 1e-300)) for p, y in zip(probs, labels, strict=True)]))
-    correct = [t == y for t, y in zip(top, labels, strict=True)]
-    return {
-        "n": len(records),
-        "nll": nll,
-        "brier": metrics.brier(probs, labels),
-        "ece": metrics.ece([max(p) for p in probs], correct),
-        "accuracy": metrics.accuracy(correct),
+def _question_type(record: dict[str, Any]) -> str | None:
+    """The calibration's type of a record (a plain decision has none)."""
+    kind = record["question_type"]
+    return None if kind == "decision" else str(kind)
+
+
+def scored(
+    records: Sequence[dict[str, Any]],
+    replayed: Sequence[Replayed | None],
+    temperatures: Temperatures | None,
+) -> list[dict[str, Any]]:
+    """Eval-like rows (probabilities, correct, label index) of replayed records; ``temperatures``
+    None: T = 1."""
+    rows = []
+    for record, rep in zip(records, replayed, strict=True):
+        if rep is None:
+            continue
+        t = (
+            temperatures.for_decision(_question_type(record), len(rep.logits))
+            if temperatures is not None
+            else 1.0
+        )
+        probs = softmax(rep.logits, t)
+        rows.append(
+            {
+                "probabilities": probs.tolist(),
+                "option_logits": rep.logits.tolist(),
+                "label_index": record["label_index"],
+                "correct": int(np.argmax(probs)) == record["label_index"],
+                "question_type": record["question_type"],
+                "latency_s": None,
+                "reads": rep.reads,
+            }
+        )
+    return rows
+
+
+def measured(rows: Sequence[dict[str, Any]], fitted: Abstention | None = None) -> dict[str, Any]:
+    """What an application needs of a set of answers: accuracy, NLL, Brier, ECE, the
+    risk-coverage points and, with ``fitted`` abstention scores, their held-out error and
+    coverage at each budget."""
+    summary = metrics.summarize(rows)
+    probs = [r["probabilities"] for r in rows]
+    labels = [r["label_index"] for r in rows]
+    confidences = [max(p) for p in probs]
+    correct = [bool(r["correct"]) for r in rows]
+    out: dict[str, Any] = {
+        "n": len(rows),
+        "accuracy": summary["accuracy"],
+        "nll": -float(
+            np.mean([math.log(max(p[y], 1e-300)) for p, y in zip(probs, labels, strict=True)])
+        )
+        if rows
+        else None,
+        "brier": summary["brier"],
+        "ece": summary["ece"],
+        "automatable": {str(e): metrics.automatable(confidences, correct, e) for e in BUDGETS},
     }
+    if fitted is not None:
+        out["abstention"] = {
+            str(e): metrics.held_to(confidences, correct, fitted.threshold(e)) for e in BUDGETS
+        }
+    return out
 
 
-def calibrate_records(
+def _policy_reads(records: Sequence[dict[str, Any]], n: int) -> list[list[Read]]:
+    out = []
+    for record in records:
+        if int(record["n"]) != n or not record["reads"]:
+            continue
+        reads = []
+        for order, (logits, _mass) in reads_of(record).items():
+            reads.append(Read(order, logits, 0.0))
+        out.append(reads)
+    return out
+
+
+def fit_priors(records: Sequence[dict[str, Any]]) -> dict[int, np.ndarray]:
+    priors = {}
+    for n in sorted({int(r["n"]) for r in records}):
+        prior = fit_prior(_policy_reads(records, n), n)
+        if prior is not None:
+            priors[n] = prior
+    return priors
+
+
+def choose_margin(
+    records: Sequence[dict[str, Any]], prior: dict[int, np.ndarray], target_flip_rate: float
+) -> tuple[float, list[dict[str, Any]]]:
+    """The smallest margin whose flip rate on ``records`` is at most the target (else the
+    largest), and the study of every margin tried."""
+    study: list[dict[str, Any]] = []
+    for margin in MARGINS:
+        policy = ReadPolicy(True, margin, prior=prior)
+        flips, compared = flip_rate(records, policy)
+        study.append(
+            {
+                "margin": margin,
+                "flip_rate": flips / compared if compared else None,
+                "mean_reads": mean_reads(replay_all(records, policy)),
+            }
+        )
+    for row in study:
+        if row["flip_rate"] is not None and row["flip_rate"] <= target_flip_rate:
+            return float(row["margin"]), study
+    return MARGINS[-1], study
+
+
+def calibrate_reads(
     records: Sequence[dict[str, Any]],
     holdout: float = 0.3,
     seed: int = 0,
     holdout_split: str | None = None,
-    min_items: int = 8,
+    min_items: int = 25,
+    margin: float | None = None,
+    target_flip_rate: float = 0.05,
 ) -> tuple[Calibration, dict[str, Any]]:
-    """Fit on one part of the scored records, measure on the rest; the calibration and a report."""
-    usable = [r for r in records if r["option_logits"] is not None]
+    """Fit on one part of the read records, measure on the rest; the calibration and a report."""
+    usable = [r for r in records if r["reads"]]
     fit_rows, held = split_items(usable, holdout, seed, holdout_split)
     if not fit_rows:
         raise ValueError("nothing left to fit on: lower --holdout or add items")
-    global_t, by_type = fit(
-        [r["option_logits"] for r in fit_rows],
-        [r["label_index"] for r in fit_rows],
-        [_question_type(r) for r in fit_rows],
-        min_items=min_items,
-    )
-
-    def fitted(r: dict[str, Any]) -> float:
-        return by_type.get(r["question_type"], global_t)
-
-    summary = {
+    prior = fit_priors(fit_rows)
+    study: list[dict[str, Any]] = []
+    if margin is None:
+        margin, study = choose_margin(fit_rows, prior, target_flip_rate)
+    raw = ReadPolicy(False)
+    before_rows = scored(held, replay_all(held, raw), None)
+    flips_before = flip_rate(held, raw)
+    policies: dict[str, PolicyCalibration] = {}
+    report: dict[str, Any] = {
         "items": len(records),
         "failures": len(records) - len(usable),
         "fit_items": len(fit_rows),
@@ -150,59 +266,60 @@ def calibrate_records(
         "split": {"holdout_split": holdout_split}
         if holdout_split
         else {"holdout": holdout, "seed": seed},
-        "global_temperature": global_t,
-        "temperatures": by_type,
-        "held_out": {
-            "before": scored_metrics(held, lambda r: 1.0),
-            "after": scored_metrics(held, fitted),
-        },
-        "fit": {
-            "before": scored_metrics(fit_rows, lambda r: 1.0),
-            "after": scored_metrics(fit_rows, fitted),
+        "margin": margin,
+        "margin_study": study,
+        "position_prior": {str(n): np.exp(p).round(4).tolist() for n, p in prior.items()},
+        "held_out_before": {
+            **measured(before_rows),
+            "flips": flips_before[0],
+            "compared": flips_before[1],
+            "mean_reads": 1.0,
         },
     }
+    for name, adaptive in (("adaptive", True), ("single", False)):
+        policy = ReadPolicy(adaptive, margin, prior=prior)
+        fit_replayed = replay_all(fit_rows, policy)
+        kept = [(r, p) for r, p in zip(fit_rows, fit_replayed, strict=True) if p is not None]
+        temps = fit_temperatures(
+            [p.logits.tolist() for _, p in kept],
+            [r["label_index"] for r, _ in kept],
+            [_question_type(r) for r, _ in kept],
+            min_items,
+        )
+        fit_scored = scored(fit_rows, fit_replayed, temps)
+        abstention = Abstention.of(
+            [max(r["probabilities"]) for r in fit_scored], [bool(r["correct"]) for r in fit_scored]
+        )
+        held_replayed = replay_all(held, policy)
+        held_scored = scored(held, held_replayed, temps)
+        flips = flip_rate(held, policy)
+        summary = {
+            "temperatures": temps.to_dict(),
+            "fit": measured(fit_scored),
+            "held_out": {
+                **measured(held_scored, abstention),
+                "flips": flips[0],
+                "compared": flips[1],
+                "mean_reads": mean_reads(held_replayed),
+                "by_question_type": _by_type(held_scored),
+            },
+        }
+        policies[name] = PolicyCalibration(temps, abstention, summary)
+        report[name] = summary
     model = next((r["model"] for r in records if r.get("model")), None) or {}
-    prompt_version = next((r["prompt_version"] for r in records if r.get("prompt_version")), None)
     cal = Calibration(
-        global_temperature=global_t,
-        by_type=by_type,
+        policies,
+        prior,
+        margin,
         model_sha256=model.get("sha256"),
         model_file=model.get("file"),
-        extra={
-            "prompt_version": prompt_version,
-            "prompt_profile_sha256": model.get("prompt_profile_sha256"),
-            "report": summary,
-        },
+        profile_sha256=model.get("prompt_profile_sha256"),
     )
-    return cal, summary
+    return cal, report
 
 
-def held_out_curves(
-    records: Sequence[dict[str, Any]],
-    cal: Calibration,
-    holdout: float = 0.3,
-    seed: int = 0,
-    holdout_split: str | None = None,
-) -> dict[str, tuple[list[float], list[bool]]]:
-    """Reliability curves of the held-out items, raw (T=1) and calibrated; {} when none."""
-    usable = [r for r in records if r["option_logits"] is not None]
-    _, held = split_items(usable, holdout, seed, holdout_split)
-    if not held:
-        return {}
-
-    def curve(temperature: Callable[[dict[str, Any]], float]) -> tuple[list[float], list[bool]]:
-        probs = [softmax(r["option_logits"], temperature(r)) for r in held]
-        top = [float(p.max()) for p in probs]
-        hits = [int(np.argmax(p)) == r["label_index"] for p, r in zip(probs, held, strict=True)]
-        return top, hits
-
-    return {
-        "raw (T=1)": curve(lambda r: 1.0),
-        "calibrated": curve(lambda r: cal.temperature_for(_question_type(r))),
-    }
-
-
-def _question_type(record: dict[str, Any]) -> str | None:
-    """The calibration's type of a record (a plain decision has none)."""
-    kind = record["question_type"]
-    return None if kind == "decision" else str(kind)
+def _by_type(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(str(row["question_type"]), []).append(row)
+    return {k: measured(v) for k, v in sorted(groups.items())}

@@ -1,17 +1,17 @@
-"""`arbiter eval` and `arbiter calibrate`: labeled decisions scored serially, then measured.
+"""`arbiter eval` and `arbiter calibrate`: labeled decisions scored, then measured.
 
-Both run task files (``evaluation.tasks``) one decision at a time, either against the in-process
-engine or a running endpoint (``--url``: ``POST {url}/invocations`` with ``{"decision": ...}``), so
-the latency figures are per-decision round trips. A decision that fails (an error answer, a timeout,
-an unreadable response) is kept as a failure and counts as wrong.
+`arbiter eval` runs task files (``evaluation.tasks``) one decision at a time, either against the
+in-process engine or a running endpoint (``--url``: ``POST {url}/invocations``), so the latency
+figures are per-decision round trips, and each decision again with its options reversed (the flip
+rate). A decision that fails counts as wrong. It writes ``eval-report.json`` (metrics overall and
+per file, tier, family and question type; flips; the served abstention thresholds held to),
+``eval-records.jsonl``, ``reliability.png`` and ``risk-coverage.png``, and prints a Markdown
+summary. ``--compare`` runs a second configuration (other ``ARBITER_*`` settings in-process, or
+another endpoint) and prints both side by side.
 
-`arbiter eval` writes ``eval-report.json`` (metrics overall and per file, tier, family and question
-type), ``eval-records.jsonl`` (one line per item) and ``reliability.png``, and prints a Markdown
-summary. With ``--order-samples K`` every item is also scored with K option orders
-(``arbiter.engine.ordering``) and the report counts how many answers flip against the plain order.
-
-`arbiter calibrate` fits temperatures (``evaluation.calibrate``) on part of the file, reports NLL,
-Brier and ECE before (T=1) and after on the held-out rest, and writes the calibration file.
+`arbiter calibrate` reads every item in several option orders (``evaluation.reads``), fits the
+position prior, the adaptive margin, temperatures and abstention scores on one part
+(``evaluation.calibrate``), reports them on the held-out rest, and writes the calibration file.
 """
 
 from __future__ import annotations
@@ -23,20 +23,47 @@ from pathlib import Path
 from typing import Any
 
 from arbiter.schema import MAX_ORDER_SAMPLES
+from arbiter.settings import EngineSettings, engine_from_environment
 from evaluation.backends import Backend, EngineBackend, HttpBackend
-from evaluation.calibrate import calibrate_records, held_out_curves
-from evaluation.metrics import reliability_diagram
-from evaluation.report import curve, fmt, markdown, report
+from evaluation.calibrate import calibrate_reads
+from evaluation.metrics import reliability_diagram, risk_coverage_plot
+from evaluation.reads import collect
+from evaluation.report import curve, fmt, markdown, report, side_by_side
 from evaluation.run import run
 from evaluation.tasks import EvalItem, TaskFileError, load
 
 
-def _open_backend(args: argparse.Namespace) -> Backend:
-    if args.url:
-        return HttpBackend(args.url, timeout=args.timeout)
-    from arbiter.engine import open_engine
+def overrides(text: str) -> dict[str, str]:
+    """``ARBITER_ORDER_POLICY=single,ARBITER_SHIPPED_CALIBRATION=false`` as settings fields."""
+    fields = EngineSettings.model_fields
+    out = {}
+    for part in text.split(","):
+        name, sep, value = part.strip().partition("=")
+        field = name.strip().removeprefix("ARBITER_").lower()
+        if not sep or field not in fields:
+            raise ValueError(f"{name!r} is not an engine setting (ARBITER_NAME=value)")
+        out[field] = value.strip()
+    return out
 
-    return EngineBackend(open_engine(model=args.model, profile=args.profile))
+
+def _engine_settings(args: argparse.Namespace, changes: dict[str, Any]) -> EngineSettings:
+    base = engine_from_environment()
+    forced: dict[str, Any] = {}
+    if args.model is not None:
+        forced["model"] = args.model
+    if args.profile is not None:
+        forced["prompt_profile"] = args.profile
+    return EngineSettings.model_validate({**base.model_dump(), **forced, **changes})
+
+
+def _open_backend(args: argparse.Namespace, compare: str | None = None) -> Backend:
+    if compare is not None and compare.startswith(("http://", "https://")):
+        return HttpBackend(compare, timeout=args.timeout)
+    if args.url and compare is None:
+        return HttpBackend(args.url, timeout=args.timeout)
+    from arbiter.engine import Engine
+
+    return EngineBackend(Engine(_engine_settings(args, overrides(compare) if compare else {})))
 
 
 def _items(args: argparse.Namespace) -> list[EvalItem] | None:
@@ -45,112 +72,209 @@ def _items(args: argparse.Namespace) -> list[EvalItem] | None:
     except (OSError, TaskFileError) as exc:
         print(f"arbiter: {exc}", file=sys.stderr)
         return None
+    split = getattr(args, "split", None)
+    if split is not None:
+        items = [i for i in items if i.split == split]
     if not items:
         print("arbiter: no labeled items in the given files", file=sys.stderr)
         return None
     return items
 
 
-def _scored(
-    args: argparse.Namespace, order_samples: int | None
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str] | None:
-    """Every item of the task files scored on the chosen backend: the records, the plain-order
-    baseline (with ``order_samples``) and the backend's name; None when the files are unusable."""
-    items = _items(args)
-    if items is None:
-        return None
+def _refused(args: argparse.Namespace) -> str | None:
     if args.url and args.profile:
-        print(
-            "arbiter: --profile applies to the in-process engine; a running endpoint serves the "
-            "profile it was started with (ARBITER_PROMPT_PROFILE)",
-            file=sys.stderr,
+        return (
+            "--profile applies to the in-process engine; a running endpoint serves the profile "
+            "it was started with (ARBITER_PROMPT_PROFILE)"
         )
-        return None
-    backend = _open_backend(args)
+    compare = getattr(args, "compare", None)
+    if compare and not compare.startswith(("http://", "https://")):
+        if args.url:
+            return "--compare with --url takes another endpoint's URL"
+        try:
+            overrides(compare)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def _evaluate(
+    args: argparse.Namespace, items: list[EvalItem], outdir: Path, compare: str | None
+) -> dict[str, Any]:
+    backend = _open_backend(args, compare)
     try:
-        records, baseline = run(items, backend, order_samples, progress=not args.quiet)
+        calibration = backend.calibration()
+        records, reversed_ = run(
+            items, backend, args.order_samples, not args.no_reversed, progress=not args.quiet
+        )
     finally:
         backend.close()
-    return records, baseline, backend.name
-
-
-def cmd_eval(args: argparse.Namespace, out: Any = None) -> int:
-    out = out or sys.stdout
-    scored = _scored(args, args.order_samples)
-    if scored is None:
-        return 2
-    records, baseline, backend_name = scored
-    rep = report(records, baseline, [Path(f) for f in args.files], backend_name, args.order_samples)
-    outdir = Path(args.out)
+    rep = report(
+        records,
+        reversed_,
+        [Path(f) for f in args.files],
+        backend.name + (f" [{compare}]" if compare else ""),
+        args.order_samples,
+        calibration,
+    )
     outdir.mkdir(parents=True, exist_ok=True)
-    curves = {"model": curve(records)}
-    if baseline is not None:
-        curves = {"given order": curve(baseline), f"{args.order_samples} orders": curve(records)}
-    png = reliability_diagram(curves, outdir / "reliability.png", "Reliability")
+    png = reliability_diagram({"model": curve(records)}, outdir / "reliability.png", "Reliability")
+    risk = risk_coverage_plot(
+        {"model": curve(records)}, outdir / "risk-coverage.png", "Risk-coverage"
+    )
     records_path = outdir / "eval-records.jsonl"
     with records_path.open("w", encoding="utf-8") as handle:
         for i, r in enumerate(records):
             row = {k: v for k, v in r.items() if k != "model"}
-            if baseline is not None:
-                row["baseline_choice"] = baseline[i]["choice"]
+            if reversed_ is not None:
+                row["reversed_choice"] = reversed_[i]["choice"]
             handle.write(json.dumps(row) + "\n")
     rep["outputs"] = {
         "report": str(outdir / "eval-report.json"),
         "records": str(records_path),
         "reliability": str(png),
+        "risk_coverage": str(risk),
     }
     (outdir / "eval-report.json").write_text(json.dumps(rep, indent=2) + "\n", encoding="utf-8")
+    return rep
+
+
+def cmd_eval(args: argparse.Namespace, out: Any = None) -> int:
+    out = out or sys.stdout
+    refused = _refused(args)
+    if refused:
+        print(f"arbiter: {refused}", file=sys.stderr)
+        return 2
+    items = _items(args)
+    if items is None:
+        return 2
+    outdir = Path(args.out)
+    rep = _evaluate(args, items, outdir, None)
     print(markdown(rep), file=out)
-    print(f"\nwrote {rep['outputs']['report']}, {records_path}, {png}", file=out)
+    print(f"\nwrote {', '.join(rep['outputs'].values())}", file=out)
+    if args.compare:
+        other = _evaluate(args, items, outdir / "compare", args.compare)
+        print(f"\n{args.compare}:\n", file=out)
+        print(markdown(other), file=out)
+        print("\nSide by side:\n", file=out)
+        print(side_by_side(rep, other, ("this configuration", args.compare)), file=out)
     failed = rep["overall"]["failures"]
-    return 1 if failed == len(records) else 0
+    return 1 if failed == len(items) else 0
 
 
 def cmd_calibrate(args: argparse.Namespace, out: Any = None) -> int:
     out = out or sys.stdout
-    scored = _scored(args, None)
-    if scored is None:
+    refused = _refused(args)
+    if refused:
+        print(f"arbiter: {refused}", file=sys.stderr)
         return 2
-    records = scored[0]
+    items = _items(args)
+    if items is None:
+        return 2
+    if args.from_reads:
+        try:
+            records = _read_records(Path(args.from_reads), items)
+        except (OSError, ValueError) as exc:
+            print(f"arbiter: {exc}", file=sys.stderr)
+            return 2
+    else:
+        collected = _collect(args, items)
+        if collected is None:
+            return 2
+        records = collected
+    if args.reads:
+        Path(args.reads).write_text(
+            "".join(json.dumps(r) + "\n" for r in records), encoding="utf-8"
+        )
     try:
-        cal, summary = calibrate_records(
-            records, args.holdout, args.seed, args.holdout_split, args.min_items
+        cal, summary = calibrate_reads(
+            records,
+            args.holdout,
+            args.seed,
+            args.holdout_split,
+            args.min_items,
+            args.margin,
+            args.target_flip_rate,
         )
     except ValueError as exc:
         print(f"arbiter: {exc}", file=sys.stderr)
         return 2
     cal.extra["files"] = [str(f) for f in args.files]
+    cal.extra["report"] = summary
     path = cal.save(Path(args.output))
-    held = summary["held_out"]
-    curves = held_out_curves(records, cal, args.holdout, args.seed, args.holdout_split)
-    png = None
-    if curves:
-        png = reliability_diagram(curves, path.with_suffix(".png"), "Held-out reliability")
-    temps = ", ".join(f"{k} {v:.3f}" for k, v in summary["temperatures"].items()) or "none"
-    print(
-        f"Calibration on {summary['fit_items']} items, measured on {summary['held_out_items']} "
-        f"held out ({summary['failures']} failures skipped)\n\n"
-        f"global T = {summary['global_temperature']:.3f}; per type: {temps}\n\n"
-        "| held-out | n | NLL | Brier | ECE | accuracy |\n|---|---|---|---|---|---|",
-        file=out,
-    )
-    for name in ("before", "after"):
-        m = held[name]
-        print(
-            f"| {name} | {m['n']} | {fmt(m['nll'])} | {fmt(m['brier'])} | {fmt(m['ece'])} "
-            f"| {fmt(m['accuracy'])} |",
-            file=out,
-        )
-    before, after = held["before"]["nll"], held["after"]["nll"]
-    if before is not None and after is not None and after > before:
-        print(
-            f"\nwarning: the held-out NLL got worse ({before:.3f} -> {after:.3f}): too few items "
-            "to fit on, or a split that differs from the fit; use more labeled decisions",
-            file=out,
-        )
-    print(f"\nwrote {path}" + (f" and {png}" if png else ""), file=out)
-    print(f"serve with it: ARBITER_CALIBRATION={path}", file=out)
+    print(calibration_summary(summary), file=out)
+    print(f"\nwrote {path}\nserve with it: ARBITER_CALIBRATION={path}", file=out)
     return 0
+
+
+def _collect(args: argparse.Namespace, items: list[EvalItem]) -> list[dict[str, Any]] | None:
+    """Raw reads of every item: an endpoint's, or an engine's with no calibration applied."""
+    raw = {"shipped_calibration": "false", "calibration": None, "order_policy": "single"}
+    if args.url:
+        backend: Backend = HttpBackend(args.url, timeout=args.timeout)
+    else:
+        from arbiter.engine import Engine
+
+        backend = EngineBackend(Engine(_engine_settings(args, raw)))
+    try:
+        return collect(items, backend, progress=not args.quiet)
+    except RuntimeError as exc:
+        print(f"arbiter: {exc}", file=sys.stderr)
+        return None
+    finally:
+        backend.close()
+
+
+def _read_records(path: Path, items: list[EvalItem]) -> list[dict[str, Any]]:
+    """Reads written by an earlier ``--reads``, for the items of the given files (their labels
+    and splits are the files', so a file edited since is refitted as it is now)."""
+    by_key = {(i.file, i.id): i for i in items}
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        item = by_key.get((record["file"], record["id"]))
+        if item is None:
+            continue
+        record.update(label=item.label, label_index=item.label_index, split=item.split)
+        records.append(record)
+    if not records:
+        raise ValueError(f"{path} holds no reads of the given files' items")
+    return records
+
+
+def calibration_summary(summary: dict[str, Any]) -> str:
+    """The held-out part before (one raw read at T = 1) and after, per read policy."""
+    lines = [
+        f"Calibration on {summary['fit_items']} items, measured on {summary['held_out_items']} "
+        f"held out ({summary['failures']} failures skipped); adaptive margin "
+        f"{summary['margin']:g}",
+        "",
+        "| held-out | accuracy | NLL | Brier | ECE | flips | orders read | at 5% (best) "
+        "| fitted 5%: automated, error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = [("before (raw, one read)", summary["held_out_before"])]
+    rows += [(name, summary[name]["held_out"]) for name in ("single", "adaptive")]
+    for name, m in rows:
+        flips = f"{m['flips']}/{m['compared']}" if m.get("compared") else "–"
+        fitted = (m.get("abstention") or {}).get("0.05")
+        held = f"{fitted['coverage']:.0%}, {fmt(fitted['error'])}" if fitted else "–"
+        lines.append(
+            f"| {name} | {fmt(m['accuracy'])} | {fmt(m['nll'])} | {fmt(m['brier'])} "
+            f"| {fmt(m['ece'])} | {flips} | {fmt(m['mean_reads'], 2)} "
+            f"| {m['automatable']['0.05']:.0%} | {held} |"
+        )
+    held = summary["held_out_before"]
+    after = summary["adaptive"]["held_out"]
+    if held["nll"] is not None and after["nll"] is not None and after["nll"] > held["nll"]:
+        lines.append(
+            f"\nwarning: the held-out NLL got worse ({held['nll']:.3f} -> {after['nll']:.3f}): "
+            "too few items to fit on, or a split that differs from the fit; use more labeled "
+            "decisions"
+        )
+    return "\n".join(lines)
 
 
 # -- CLI ---------------------------------------------------------------------------------------
@@ -173,7 +297,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def register(sub: Any) -> None:
     """Add ``eval`` and ``calibrate`` to the ``arbiter`` subcommands."""
-    ev = sub.add_parser("eval", help="accuracy, calibration and latency on labeled decisions")
+    ev = sub.add_parser(
+        "eval", help="accuracy, calibration, flips and coverage on labeled decisions"
+    )
     _common(ev)
     ev.add_argument(
         "--order-samples",
@@ -181,22 +307,50 @@ def register(sub: Any) -> None:
         default=None,
         choices=range(1, MAX_ORDER_SAMPLES + 1),
         metavar="K",
-        help=f"also score K option orders (1..{MAX_ORDER_SAMPLES}) and count answers that flip",
+        help=f"read every decision in K option orders (1..{MAX_ORDER_SAMPLES}; 1: the given "
+        "order only); unset: the server's read policy",
+    )
+    ev.add_argument("--split", default=None, help='only items whose "split" is this (e.g. heldout)')
+    ev.add_argument(
+        "--no-reversed", action="store_true", help="skip the reversed-order reads (no flip rate)"
+    )
+    ev.add_argument(
+        "--compare",
+        default=None,
+        metavar="CONFIG",
+        help="also run ARBITER_NAME=value,... (in-process) or another endpoint URL, side by side",
     )
     ev.add_argument("--out", default="eval-out", help="directory for the report files")
     ev.set_defaults(func=cmd_eval)
 
     cal = sub.add_parser(
-        "calibrate", help="fit temperatures per question type on labeled decisions"
+        "calibrate",
+        help="fit the position prior, temperatures and abstention scores on labeled decisions",
     )
     _common(cal)
     cal.add_argument("--output", "-o", default="calibration.json", help="calibration file to write")
     cal.add_argument("--holdout", type=float, default=0.3, help="share held out (random split)")
     cal.add_argument("--seed", type=int, default=0, help="seed of the random split")
     cal.add_argument(
-        "--holdout-split", default=None, help='hold out items whose "split" is this (e.g. test)'
+        "--holdout-split", default=None, help='hold out items whose "split" is this (e.g. heldout)'
     )
     cal.add_argument(
-        "--min-items", type=int, default=8, help="fit a per-type temperature from this many items"
+        "--min-items", type=int, default=25, help="fit a temperature per type/bucket from this many"
+    )
+    cal.add_argument(
+        "--margin",
+        type=float,
+        default=None,
+        help="adaptive rotation's margin (logits); unset: the smallest meeting --target-flip-rate",
+    )
+    cal.add_argument(
+        "--target-flip-rate",
+        type=float,
+        default=0.05,
+        help="the fit part's flip rate the margin is chosen for (default 0.05)",
+    )
+    cal.add_argument("--reads", default=None, help="also write the raw reads (JSON Lines) here")
+    cal.add_argument(
+        "--from-reads", default=None, help="fit on reads an earlier --reads wrote (no model run)"
     )
     cal.set_defaults(func=cmd_calibrate)

@@ -77,6 +77,43 @@ def ece(
     )
 
 
+def risk_coverage(
+    confidences: Sequence[float], correct: Sequence[bool]
+) -> list[tuple[float, float]]:
+    """(coverage, error among the covered) automating the k most confident answers, k = 1..N
+    (ties broken by input order; what thresholding the top probability can reach)."""
+    order = np.argsort(-np.asarray(confidences, dtype=np.float64), kind="stable")
+    wrong = np.cumsum(~np.asarray(correct, dtype=bool)[order])
+    k = np.arange(1, len(order) + 1)
+    return [(float(c), float(e)) for c, e in zip(k / len(order), wrong / k, strict=True)]
+
+
+def automatable(confidences: Sequence[float], correct: Sequence[bool], max_error: float) -> float:
+    """The largest share of answers whose error stays at most ``max_error`` when the most
+    confident are automated (an oracle threshold, chosen on these very answers)."""
+    best = 0.0
+    for coverage, error in risk_coverage(confidences, correct):
+        if error <= max_error + 1e-12:
+            best = coverage
+    return best
+
+
+def held_to(
+    confidences: Sequence[float], correct: Sequence[bool], threshold: float | None
+) -> dict[str, Any]:
+    """What a fixed threshold does to these answers: the share automated and its error."""
+    conf = np.asarray(confidences, dtype=np.float64)
+    hit = np.asarray(correct, dtype=bool)
+    accepted = conf >= threshold if threshold is not None else np.zeros(len(conf), dtype=bool)
+    n = int(accepted.sum())
+    return {
+        "threshold": threshold,
+        "automated": n,
+        "coverage": n / len(conf) if len(conf) else 0.0,
+        "error": float(np.mean(~hit[accepted])) if n else None,
+    }
+
+
 def latency(seconds: Sequence[float]) -> dict[str, float | None]:
     """p50/p95/p99/max in milliseconds (numpy's linear interpolation between order statistics)."""
     if not len(seconds):
@@ -139,6 +176,38 @@ def reliability_diagram(
     top.legend(loc="upper left", fontsize=8)
     bottom.set_xlabel("top-label probability")
     bottom.set_ylabel("items")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def risk_coverage_plot(
+    curves: Mapping[str, tuple[Sequence[float], Sequence[bool]]], path: Path, title: str
+) -> Path:
+    """Error among automated answers against the share automated, one line per curve, with the
+    1/5/10% budgets marked, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4.2))
+    for name, (confidences, correct) in curves.items():
+        points = risk_coverage(confidences, correct)
+        if not points:
+            continue
+        at5 = automatable(confidences, correct, 0.05)
+        ax.plot([c for c, _ in points], [e for _, e in points], label=f"{name} ({at5:.0%} at 5%)")
+    for budget in (0.01, 0.05, 0.1):
+        ax.axhline(budget, color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, None)
+    ax.set_xlabel("share automated (coverage)")
+    ax.set_ylabel("error among automated")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

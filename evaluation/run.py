@@ -1,4 +1,5 @@
-"""Scoring labeled items serially against a backend, one record per item (latency included)."""
+"""Scoring labeled items serially against a backend, one record per item (latency included), and
+each item again with its options reversed (what the flip rate compares)."""
 
 from __future__ import annotations
 
@@ -34,20 +35,27 @@ def _record(
     if result is None:
         return record
     ids = [o.id for o in item.request.options]
-    if list(result.get("option_ids", [])) != ids:
+    got = list(result.get("option_ids", []))
+    if sorted(got) != sorted(ids):
         record["error"] = {
             "type": "api_error",
             "code": "bad_response",
             "message": "option ids differ",
         }
         return record
+    # In the item's own option order, whatever order the request listed them in.
+    by_id = dict(zip(got, result["probabilities"], strict=True))
+    logits = dict(zip(got, result["option_logits"], strict=True))
     record.update(
         choice=result["choice"],
         correct=result["choice"] == item.label,
-        probabilities=[float(p) for p in result["probabilities"]],
-        option_logits=[float(x) for x in result["option_logits"]],
+        probabilities=[float(by_id[i]) for i in ids],
+        option_logits=[float(logits[i]) for i in ids],
         allowed_mass=result.get("allowed_mass"),
+        orders_read=result.get("orders_read", 1),
+        abstained=result.get("abstained", False),
         prompt_version=(result.get("prompt") or {}).get("version"),
+        input_tokens=(result.get("prompt") or {}).get("input_tokens"),
         probability_status=result.get("probability_status"),
         model=result.get("model"),
     )
@@ -58,25 +66,28 @@ def run(
     items: Sequence[EvalItem],
     backend: Backend,
     order_samples: int | None = None,
+    reversed_order: bool = True,
     progress: bool = True,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """Score every item serially. With ``order_samples`` > 1, also the plain order (baseline)."""
+    """Score every item serially (with ``order_samples`` when set) and, with
+    ``reversed_order``, every item again with its options listed in reverse."""
     from tqdm import tqdm
 
-    k = order_samples if order_samples and order_samples > 1 else None
     records: list[dict[str, Any]] = []
-    baseline: list[dict[str, Any]] | None = [] if k else None
-    total = len(items) * (2 if k else 1)
+    flipped: list[dict[str, Any]] | None = [] if reversed_order else None
+    total = len(items) * (2 if reversed_order else 1)
     with tqdm(total=total, unit="decision", file=sys.stderr, disable=not progress) as bar:
         for item in items:
-            plain = item.request.model_copy(update={"order_samples": None})
-            if baseline is not None:
-                baseline.append(_timed(item, plain, backend))
-                bar.update(1)
-            request = item.request.model_copy(update={"order_samples": k}) if k else plain
+            request = item.request
+            if order_samples is not None:
+                request = request.model_copy(update={"order_samples": order_samples})
             records.append(_timed(item, request, backend))
             bar.update(1)
-    return records, baseline
+            if flipped is not None:
+                reverse = request.model_copy(update={"options": request.options[::-1]})
+                flipped.append(_timed(item, reverse, backend))
+                bar.update(1)
+    return records, flipped
 
 
 def _timed(item: EvalItem, request: DecisionRequest, backend: Backend) -> dict[str, Any]:

@@ -29,20 +29,23 @@ from pathlib import Path
 import numpy as np
 
 from arbiter import prompt as prompts
-from arbiter.engine import ordering, read_check
+from arbiter.engine import multilabel, ordering, read_check
 from arbiter.engine.budget import Budget
-from arbiter.engine.calibration import Calibration
+from arbiter.engine.calibration import Calibration, describe, shipped
 from arbiter.engine.cost import CostFloor
+from arbiter.engine.finishing import Finisher
 from arbiter.engine.generation import GenerationRequest, generate
 from arbiter.engine.llama import LLAMA_CPP_BUILD, LLAMA_CPP_PYTHON_VERSION, Llama
 from arbiter.engine.prefix_cache import PrefixCache
 from arbiter.engine.prompting import open_prompts
+from arbiter.engine.rotation import DEFAULT_MARGIN, ReadPolicy
 from arbiter.engine.sampler import Grammar
 from arbiter.engine.sampling import Choice, Generation, OnDelta, SamplingParams, TokenLogprob
 from arbiter.engine.scoring import Scoring, context_sequences
-from arbiter.errors import ContextLengthExceeded, InvalidDecision
+from arbiter.errors import ContextLengthExceeded, InvalidDecision, ModelLoadError
+from arbiter.logging import get_logger
 from arbiter.lora import resolve_adapters, weights_id
-from arbiter.models import ResolvedModel, resolve_model, verify
+from arbiter.models import BUNDLED_NOTICE, ResolvedModel, resolve_model, verify
 from arbiter.profiles import resolve_profile
 from arbiter.schema import AdapterInfo, DecisionRequest, ModelInfo
 from arbiter.scorer import Outcome
@@ -61,11 +64,16 @@ __all__ = [
 ]
 
 
+log = get_logger("arbiter.engine")
+
+
 class Engine:
     """Scores decisions with one llama.cpp model and context. Thread-safe: calls are serialized."""
 
     def __init__(self, settings: EngineSettings, resolved: ResolvedModel | None = None) -> None:
         self.resolved = resolved or resolve_model(settings.model, settings.model_dir)
+        if self.resolved.source == "bundled":
+            log.warning("bundled_model", notice=BUNDLED_NOTICE)
         self.sha256 = verify(self.resolved)
         # Checked against the model's tensors before llama.cpp loads anything.
         self.adapters = resolve_adapters(settings.lora, self.resolved, settings.model_dir)
@@ -91,10 +99,9 @@ class Engine:
                 tail_tokens=tail_tokens,
             )
             self.model_info = self._model_info(settings)
-            self.calibration: Calibration | None = None
-            if settings.calibration is not None:
-                self.calibration = Calibration.load(settings.calibration)
-                self.calibration.check_model(self.sha256, self.resolved.path.name)
+            self.calibration = load_calibration(
+                settings, self.sha256, self.resolved, self.profile.sha256
+            )
         except BaseException:
             self.llama.close()  # a model refused part-way through loading frees what it had
             raise
@@ -226,18 +233,39 @@ class Engine:
         Raises only for the whole call: the engine is closed, the request is over its budget,
         or its client went away (``RequestCancelled``).
         """
-        expanded, plan = ordering.expand(decisions)
+        settings = self.settings
+        questions, labels_plan = multilabel.expand(decisions)
+        expanded, plan = ordering.expand(questions)
+        policy = self.read_policy(settings)
         with self._lock:
             self.llama.check_open()
             if budget is not None:
                 budget.start()
             with self.llama.interruptible(budget.interrupt if budget is not None else None):
-                outcomes = self._scoring.score(expanded, self.settings, self.cache, budget)
-        merged = ordering.merge(decisions, outcomes, plan, self.settings.temperature)
-        if self.calibration is None:
-            return merged
+                outcomes = self._scoring.score(expanded, settings, self.cache, budget, policy)
+        merged = ordering.merge(questions, outcomes, plan, settings.temperature)
+        finisher = Finisher(
+            self.calibration, settings.order_policy, settings.max_error, settings.min_confidence
+        )
+        finished = [finisher.finish(d, o) for d, o in zip(questions, merged, strict=True)]
+        return multilabel.merge(decisions, finished, labels_plan)
+
+    def calibration_info(self) -> dict[str, object]:
+        """The served calibration as clients see it (``calibration.describe``)."""
+        return describe(self.calibration, self.settings.order_policy)
+
+    def read_policy(self, settings: EngineSettings) -> ReadPolicy:
+        """How decisions are read under ``settings``: adaptive rotation or the given order, with
+        the calibration's position prior and margin (``rotation``)."""
         calibration = self.calibration
-        return [calibration.apply(d, o) for d, o in zip(decisions, merged, strict=True)]
+        margin = settings.order_margin
+        if margin is None:
+            margin = calibration.margin if calibration is not None else DEFAULT_MARGIN
+        return ReadPolicy(
+            adaptive=settings.order_policy == "adaptive",
+            margin=margin,
+            prior=calibration.position_prior if calibration is not None else {},
+        )
 
     # -- text generation (chat and text completions) ---------------------------------------------
 
@@ -303,6 +331,34 @@ class Engine:
         stream. Needs the vocabulary only: runs outside the engine lock."""
         with self.llama.vocabulary() as vocab:
             Grammar(vocab, text, param=param).close()
+
+
+def load_calibration(
+    settings: EngineSettings, sha256: str, resolved: ResolvedModel, profile_sha256: str
+) -> Calibration | None:
+    """``ARBITER_CALIBRATION`` (refused when fitted on another model or profile), else the one a
+    catalog model ships for this GGUF and profile (unless ``ARBITER_SHIPPED_CALIBRATION`` is
+    false); a server default error budget without one is refused."""
+    calibration: Calibration | None = None
+    if settings.calibration is not None:
+        calibration = Calibration.load(settings.calibration)
+        calibration.check_model(sha256, resolved.path.name, profile_sha256)
+    elif settings.shipped_calibration:
+        calibration = shipped(sha256, profile_sha256)
+    log.info(
+        "calibration",
+        source=calibration.source if calibration is not None else None,
+        order_policy=settings.order_policy,
+    )
+    if settings.max_error is not None and (
+        calibration is None or calibration.policy(settings.order_policy).abstention is None
+    ):
+        raise ModelLoadError(
+            f"ARBITER_MAX_ERROR={settings.max_error} needs a calibration with abstention scores "
+            f"for {resolved.path.name} (none is shipped for it or set in ARBITER_CALIBRATION): "
+            "fit one with `arbiter calibrate`, or use ARBITER_MIN_CONFIDENCE"
+        )
+    return calibration
 
 
 def check_files(settings: EngineSettings) -> ResolvedModel:

@@ -1,104 +1,236 @@
-"""Temperature calibration as served: a file of fitted temperatures, loaded and applied.
+"""Calibration as served: a file of what was fitted for one model and prompt, loaded and applied.
 
-One temperature per question type (``noul``, ``choice``, ``score``) and a global one, fitted by
-`arbiter calibrate` (``evaluation.calibrate``). A result is softmaxed at its type's temperature unless
-its request set its own. Dividing by T > 0 never changes which option has the largest logit, so
-calibration never changes a choice.
+`arbiter calibrate` (``evaluation.calibrate``) writes it; catalog models ship one
+(``arbiter/data/calibrations/``), bound to the GGUF's sha256 and the prompt profile's sha256, so
+their probabilities are calibrated out of the box. It holds:
 
-The engine loads a calibration file from ``ARBITER_CALIBRATION``. It is bound to the model: a file
-fitted on another GGUF (different sha256) is refused at start-up.
+- the **read policy**'s parameters (``rotation``): the position prior per option count, fitted
+  label-free from rotated reads, and the margin under which another order is read;
+- **temperatures** per read policy (adaptive, single), question type and option-count bucket,
+  fitted by NLL on labeled decisions; a result is softmaxed at the most specific one that exists
+  (type and bucket, then type, then any type in that bucket, then the policy's global one) unless
+  its request set its own. Dividing by T > 0 never changes which option leads, so calibration never
+  changes a choice;
+- the **abstention** scores of the fit part per policy (``abstention``): thresholds for any error
+  budget are derived from them.
+
+A file fitted on another GGUF is refused at start-up; a file fitted with another prompt profile
+too, since a profile changes what the logits mean. Files of format v1 (temperatures per type
+only) still load.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from arbiter.engine.probabilities import softmax
-from arbiter.errors import ArbiterError, ModelLoadError
-from arbiter.schema import MAX_TEMPERATURE, MIN_TEMPERATURE, DecisionRequest, DecisionResult
+import numpy as np
 
-FORMAT = "arbiter-calibration-v1"
+from arbiter.engine.abstention import Abstention
+from arbiter.engine.probabilities import softmax
+from arbiter.engine.rotation import DEFAULT_MARGIN
+from arbiter.errors import ModelLoadError
+from arbiter.schema import MAX_TEMPERATURE, MIN_TEMPERATURE
+
+FORMAT = "arbiter-calibration-v2"
+FORMAT_V1 = "arbiter-calibration-v1"
 QUESTION_TYPES = ("noul", "choice", "score")
+POLICIES = ("adaptive", "single")
+# Option-count buckets of the temperatures: position bias and sharpness change with the count.
+BUCKETS = ((2, 2), (3, 4), (5, 7), (8, 10**9))
+
+
+def bucket(n_options: int) -> str:
+    for low, high in BUCKETS:
+        if low <= n_options <= high:
+            return f"{low}" if low == high else (f"{low}-{high}" if high < 10**9 else f"{low}+")
+    return "2"
+
+
+def _temperature(name: str, value: Any, path: Path) -> float:
+    # A request's own limits: below 0.01 the scaled logits overflow, above 100 all is uniform.
+    usable = isinstance(value, int | float) and not isinstance(value, bool)
+    if not usable or not (MIN_TEMPERATURE <= value <= MAX_TEMPERATURE):
+        raise ModelLoadError(
+            f"{path}: temperature {name!r} must be a number from {MIN_TEMPERATURE:g} to "
+            f"{MAX_TEMPERATURE:g} (got {value!r})"
+        )
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Temperatures:
+    """One policy's fitted temperatures: global, per question type, per type and bucket."""
+
+    global_temperature: float
+    by_type: dict[str, float] = field(default_factory=dict)
+    by_bucket: dict[str, float] = field(default_factory=dict)  # "choice:3-4", "any:8+"
+
+    def for_decision(self, question_type: str | None, n_options: int) -> float:
+        b = bucket(n_options)
+        for key in (f"{question_type}:{b}", question_type, f"any:{b}"):
+            if key is None:
+                continue
+            if key in self.by_bucket:
+                return self.by_bucket[key]
+            if key in self.by_type:
+                return self.by_type[key]
+        return self.global_temperature
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "global": self.global_temperature,
+            "by_type": dict(self.by_type),
+            "by_bucket": dict(self.by_bucket),
+        }
+
+    @classmethod
+    def from_dict(cls, raw: Any, path: Path) -> Temperatures:
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{path}: temperatures must be an object")
+        by_type = {k: _temperature(k, v, path) for k, v in (raw.get("by_type") or {}).items()}
+        unknown = set(by_type) - set(QUESTION_TYPES) - {"multi_label"}
+        if unknown:
+            raise ModelLoadError(f"{path}: unknown question types {sorted(unknown)}")
+        return cls(
+            _temperature("global", raw.get("global"), path),
+            by_type,
+            {k: _temperature(k, v, path) for k, v in (raw.get("by_bucket") or {}).items()},
+        )
+
+
+@dataclass(frozen=True)
+class PolicyCalibration:
+    temperatures: Temperatures
+    abstention: Abstention | None = None
+    report: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Fitted temperatures, and the model they belong to."""
+    """What was fitted for one model and prompt profile."""
 
-    global_temperature: float
-    by_type: dict[str, float] = field(default_factory=dict)
+    policies: dict[str, PolicyCalibration]
+    position_prior: dict[int, np.ndarray] = field(default_factory=dict)
+    margin: float = DEFAULT_MARGIN
     model_sha256: str | None = None
     model_file: str | None = None
+    profile_sha256: str | None = None
+    source: str = "file"  # "file" (ARBITER_CALIBRATION) or "shipped" (a catalog model's)
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def temperature_for(self, question_type: str | None) -> float:
-        if question_type is not None and question_type in self.by_type:
-            return self.by_type[question_type]
-        return self.global_temperature
+    def policy(self, name: str) -> PolicyCalibration:
+        """The calibration of a read policy (a fixed order count uses the adaptive one's)."""
+        return (
+            self.policies.get(name)
+            or self.policies.get("adaptive")
+            or next(iter(self.policies.values()))
+        )
+
+    def temperature_for(
+        self, question_type: str | None, n_options: int = 2, policy: str = "adaptive"
+    ) -> float:
+        return self.policy(policy).temperatures.for_decision(question_type, n_options)
+
+    def probabilities(
+        self, logits: list[float], question_type: str | None, policy: str
+    ) -> tuple[list[float], float]:
+        temperature = self.temperature_for(question_type, len(logits), policy)
+        return softmax(logits, temperature).tolist(), temperature
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
             "model": {"file": self.model_file, "sha256": self.model_sha256},
-            "global_temperature": self.global_temperature,
-            "temperatures": dict(self.by_type),
+            "prompt_profile_sha256": self.profile_sha256,
+            "order": {
+                "margin": self.margin,
+                "position_prior": {
+                    str(n): [round(float(x), 6) for x in prior]
+                    for n, prior in sorted(self.position_prior.items())
+                },
+            },
+            "policies": {
+                name: {
+                    "temperatures": p.temperatures.to_dict(),
+                    "abstention": p.abstention.to_dict() if p.abstention else None,
+                    "report": p.report,
+                }
+                for name, p in self.policies.items()
+            },
             **self.extra,
         }
 
     def save(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
         return path
 
     @classmethod
-    def load(cls, path: Path) -> Calibration:
+    def load(cls, path: Path, source: str = "file") -> Calibration:
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
             raise ModelLoadError(f"cannot read calibration file {path}: {exc}") from exc
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        if not isinstance(raw, dict) or raw.get("format") not in (FORMAT, FORMAT_V1):
             raise ModelLoadError(f"{path} is not an {FORMAT} file (written by `arbiter calibrate`)")
-        temps = {"global": raw.get("global_temperature"), **(raw.get("temperatures") or {})}
-        for name, value in temps.items():
-            # A request's own limits: below 0.01 the scaled logits overflow (1e-310 gave NaN
-            # probabilities in the JSON), and above 100 every answer is uniform.
-            usable = isinstance(value, int | float) and not isinstance(value, bool)
-            if not usable or not (MIN_TEMPERATURE <= value <= MAX_TEMPERATURE):
-                raise ModelLoadError(
-                    f"{path}: temperature {name!r} must be a number from {MIN_TEMPERATURE:g} to "
-                    f"{MAX_TEMPERATURE:g} (got {value!r})"
+        model = raw.get("model") or {}
+        if raw["format"] == FORMAT_V1:
+            temps = Temperatures.from_dict(
+                {"global": raw.get("global_temperature"), "by_type": raw.get("temperatures")},
+                path,
+            )
+            return cls(
+                {"adaptive": PolicyCalibration(temps)},
+                model_sha256=model.get("sha256"),
+                model_file=model.get("file"),
+                profile_sha256=raw.get("prompt_profile_sha256"),
+                source=source,
+            )
+        return cls._load_v2(raw, path, source)
+
+    @classmethod
+    def _load_v2(cls, raw: dict[str, Any], path: Path, source: str) -> Calibration:
+        order = raw.get("order") or {}
+        try:
+            prior = {
+                int(n): np.asarray(values, dtype=np.float64)
+                for n, values in (order.get("position_prior") or {}).items()
+            }
+            if any(len(v) != n or not np.all(np.isfinite(v)) for n, v in prior.items()):
+                raise ValueError("a position prior needs one finite value per position")
+            margin = float(order.get("margin", DEFAULT_MARGIN))
+            if not 0 <= margin < 1e6:
+                raise ValueError(f"margin {margin} is not a non-negative number")
+            policies = {}
+            for name, body in (raw.get("policies") or {}).items():
+                if name not in POLICIES:
+                    raise ValueError(f"unknown read policy {name!r} (one of {POLICIES})")
+                abstention = body.get("abstention")
+                policies[name] = PolicyCalibration(
+                    Temperatures.from_dict(body.get("temperatures"), path),
+                    Abstention.from_dict(abstention) if abstention else None,
+                    body.get("report") or {},
                 )
-        unknown = set(raw.get("temperatures") or {}) - set(QUESTION_TYPES)
-        if unknown:
-            raise ModelLoadError(f"{path}: unknown question types {sorted(unknown)}")
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ModelLoadError(f"{path}: {exc}") from exc
+        if not policies:
+            raise ModelLoadError(f"{path}: no read policy is calibrated")
         model = raw.get("model") or {}
         return cls(
-            global_temperature=float(raw["global_temperature"]),
-            by_type={k: float(v) for k, v in (raw.get("temperatures") or {}).items()},
+            policies,
+            prior,
+            margin,
             model_sha256=model.get("sha256"),
             model_file=model.get("file"),
+            profile_sha256=raw.get("prompt_profile_sha256"),
+            source=source,
         )
 
-    def apply(
-        self, request: DecisionRequest, outcome: DecisionResult | ArbiterError
-    ) -> DecisionResult | ArbiterError:
-        """The result's probabilities at the calibrated temperature, unless the request set its
-        own (or it is an error)."""
-        if request.temperature is not None or isinstance(outcome, ArbiterError):
-            return outcome
-        temperature = self.temperature_for(request.question_type)
-        return outcome.model_copy(
-            update={
-                "probabilities": softmax(outcome.option_logits, temperature).tolist(),
-                "temperature": temperature,
-                "probability_status": "calibrated",
-            }
-        )
-
-    def check_model(self, sha256: str, file: str) -> None:
+    def check_model(self, sha256: str, file: str, profile_sha256: str | None = None) -> None:
         if self.model_sha256 and self.model_sha256 != sha256:
             raise ModelLoadError(
                 f"the calibration file was fitted on {self.model_file} "
@@ -106,3 +238,55 @@ class Calibration:
                 f"(sha256 {sha256[:12]}…); refit it with `arbiter calibrate` or unset "
                 "ARBITER_CALIBRATION"
             )
+        if self.profile_sha256 and profile_sha256 and self.profile_sha256 != profile_sha256:
+            raise ModelLoadError(
+                f"the calibration file was fitted with another prompt profile (sha256 "
+                f"{self.profile_sha256[:12]}…, served: {profile_sha256[:12]}…): a profile changes "
+                "what the logits mean; refit it with `arbiter calibrate --profile` or unset "
+                "ARBITER_CALIBRATION"
+            )
+
+
+BUDGETS = (0.01, 0.05, 0.1)
+
+
+def describe(calibration: Calibration | None, policy: str) -> dict[str, Any]:
+    """What a client may know of the served calibration (``/v1/models``, `arbiter eval`): its
+    source, the read policy and margin, and the abstention threshold of common error budgets."""
+    if calibration is None:
+        return {"source": None, "order_policy": policy}
+    fitted = calibration.policy(policy).abstention
+    return {
+        "source": calibration.source,
+        "order_policy": policy,
+        "margin": calibration.margin,
+        "position_prior": sorted(calibration.position_prior),
+        "abstention": None
+        if fitted is None
+        else {
+            "method": "sgr-clopper-pearson",
+            "delta": fitted.delta,
+            "fit_items": len(fitted.confidences),
+            "thresholds": {str(e): fitted.threshold(e) for e in BUDGETS},
+        },
+    }
+
+
+def shipped(sha256: str, profile_sha256: str | None) -> Calibration | None:
+    """The calibration a catalog model ships for this GGUF and prompt profile, if any."""
+    folder = resources.files("arbiter") / "data" / "calibrations"
+    if not folder.is_dir():
+        return None
+    for entry in folder.iterdir():
+        if not entry.name.endswith(".json"):
+            continue
+        with resources.as_file(entry) as path:
+            try:
+                raw = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                continue
+            model = raw.get("model") or {} if isinstance(raw, dict) else {}
+            if model.get("sha256") != sha256 or raw.get("prompt_profile_sha256") != profile_sha256:
+                continue
+            return Calibration.load(path, source="shipped")
+    return None

@@ -6,7 +6,8 @@ the options in another order: the given order, the reversed order, then seeded s
 with n options there are at most n! orders, so K is capped there). They share the state prefix like
 any questions about one state. The option logits are aligned by option id and averaged, and the
 probabilities, the choice and ``allowed_mass`` are computed from the average. The result names the
-number of orders used in ``prompt.version`` (``+order-K``).
+number of orders used in ``prompt.version`` (``+order-K``) and ``orders_read``. Each variant's
+read is corrected by the model's position prior like any read (``rotation``).
 
 Pure functions: the engine calls ``expand`` before grouping and ``merge`` after scoring.
 """
@@ -133,10 +134,13 @@ def merge_one(
             "choice": ids[int(np.argmax(probs))],
             "allowed_mass": float(np.mean([r.allowed_mass for r in results])),
             "temperature": float(temperature),
+            "orders_read": sum(r.orders_read for r in results),
             "prompt": first.prompt.model_copy(
                 update={
                     "version": f"{first.prompt.version}+order-{len(results)}",
-                    "input_tokens": sum(r.prompt.input_tokens for r in results),
+                    # What the model read: the shared prefix once, each order's own suffix.
+                    "input_tokens": first.prompt.prefix_tokens
+                    + sum(r.prompt.input_tokens - r.prompt.prefix_tokens for r in results),
                 }
             ),
             "timing": _timing(results),

@@ -20,6 +20,7 @@ from arbiter import prompt as prompts
 from arbiter.engine.cost import CostFloor, Parts, too_long
 from arbiter.engine.labels import CodeReadout, Labels, Paths
 from arbiter.engine.prompting import prompt_sha256
+from arbiter.engine.rotation import Order, Read
 from arbiter.errors import (
     ArbiterError,
     EngineFailure,
@@ -66,6 +67,19 @@ class Prepared:
     readout_s: float = 0.0
     logits: np.ndarray = field(default_factory=lambda: np.zeros(0))
     full_lse: float = 0.0
+    # Adaptive rotation (``rotation``): the orders read so far; a variant (another order of a
+    # decision, read on the same prefix) names its decision and its order.
+    reads: list[Read] = field(default_factory=list)
+    order: Order = ()
+    parent: Prepared | None = None
+    extra_s: float = 0.0  # time spent reading further orders
+    extra_tokens: int = 0  # the suffix tokens of the further orders read
+
+    def keep_read(self) -> None:
+        """The read just made (``logits``, ``full_lse``) into its decision's reads."""
+        owner = self.parent or self
+        order = self.order or tuple(range(len(self.request.options)))
+        owner.reads.append(Read(order, self.logits, self.full_lse))
 
     @property
     def label_cells(self) -> int:
@@ -84,6 +98,7 @@ class Group:
     prepared: list[Prepared]
     shared: int
     tokenize_s: float
+    state_bytes: int = 0
 
     @property
     def tokens(self) -> int:
@@ -138,7 +153,21 @@ class Preparer:
         except Exception as exc:
             error = decision_error(exc)
             return None, errors + [(p.index, error) for p in prepared]
-        return Group(prepared, shared, time.perf_counter() - started), errors
+        return Group(prepared, shared, time.perf_counter() - started, state_bytes), errors
+
+    def variant(self, p: Prepared, order: Order, group: Group) -> Prepared | None:
+        """Decision ``p`` with its options in ``order``, tokenized, to be read on the group's
+        prefix; None when its prompt does not start with that prefix (a tokenizer that merges
+        across the state's end differently: the decision keeps the reads it has)."""
+        request = p.request.model_copy(update={"options": [p.request.options[i] for i in order]})
+        variant = self.prepare(p.index, request, group.state_bytes)
+        head = group.prepared[0].tokens[: group.shared]
+        if len(variant.tokens) <= group.shared or not np.array_equal(
+            variant.tokens[: group.shared], head
+        ):
+            return None
+        variant.order, variant.parent = order, p
+        return variant
 
     def prepare(self, index: int, request: DecisionRequest, state_bytes: int) -> Prepared:
         started = time.perf_counter()

@@ -30,8 +30,9 @@ from arbiter.engine.labels import Labels
 from arbiter.engine.llama import Llama
 from arbiter.engine.prefix_cache import PrefixCache, prefix_key
 from arbiter.engine.preparing import Group, Prepared, Preparer, decision_error
-from arbiter.engine.probabilities import logsumexp, softmax
+from arbiter.engine.probabilities import softmax
 from arbiter.engine.prompting import Prompts
+from arbiter.engine.rotation import ReadPolicy, rounds
 from arbiter.errors import EngineFailure, InvalidDecision
 from arbiter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
 from arbiter.scorer import Outcome
@@ -43,6 +44,7 @@ class GroupRun:
     prefix_tokens: int
     cache: Literal["hit", "miss", "off"]
     prefill_s: float
+    tail: bool = False  # sequence 0 holds a question's cells after the prefix (one pass)
 
 
 def context_sequences(settings: EngineSettings, labels: Labels) -> int:
@@ -78,6 +80,7 @@ class Scoring:
         settings: EngineSettings,
         cache: PrefixCache,
         budget: Budget | None = None,
+        policy: ReadPolicy | None = None,
     ) -> list[Outcome]:
         """Outcomes in input order; a decision that cannot be scored gets its typed error.
 
@@ -85,6 +88,7 @@ class Scoring:
         are checked against it before any is decoded, group by group as they are tokenized (a
         refusal raises for the whole call, and stops tokenizing once the request is over), and
         it is checked again before each group is decoded (``Budget.interrupt``)."""
+        policy = policy or ReadPolicy(adaptive=False)
         outcomes: list[Outcome | None] = [None] * len(decisions)
         # One group per state and layout (questions with codes have an instruction of their own).
         members: dict[tuple[str, prompts.PromptLayout], list[tuple[int, DecisionRequest]]] = {}
@@ -105,13 +109,13 @@ class Scoring:
                 outcomes[index] = error
             if group is not None:
                 groups.append(group)
-                tokens += group.tokens
+                tokens += group.tokens + _further_orders_tokens(group, policy)
                 if budget is not None:  # over already: the rest is not tokenized
                     budget.check_tokens(tokens, None, floor=True)
         if budget is not None:
             budget.check_tokens(tokens, self.speed.seconds_per_token, floor=False)
         for group in groups:
-            for index, outcome in self._score_group(group, settings, cache, budget):
+            for index, outcome in self._score_group(group, settings, cache, budget, policy):
                 outcomes[index] = outcome
         return [o if o is not None else EngineFailure("not scored") for o in outcomes]
 
@@ -121,6 +125,7 @@ class Scoring:
         settings: EngineSettings,
         cache: PrefixCache,
         budget: Budget | None,
+        policy: ReadPolicy,
     ) -> list[tuple[int, Outcome]]:
         prepared = group.prepared
         try:
@@ -128,6 +133,9 @@ class Scoring:
                 budget.interrupt()  # the client left, or the time is spent: not started
             with self.llama.kv_cleared():
                 run = self._forward(prepared[0].tokens[: group.shared], prepared, settings, cache)
+                for p in prepared:
+                    p.keep_read()
+                self._more_orders(group, run, settings, policy, budget)
         except Exception as exc:  # the group's shared prefill failed: each member says so
             error = decision_error(exc)
             return [(p.index, error) for p in prepared]
@@ -138,7 +146,9 @@ class Scoring:
         for p in prepared:
             try:
                 temperature = p.request.temperature or settings.temperature
-                results.append((p.index, self._result(p, run, group.tokenize_s, temperature)))
+                results.append(
+                    (p.index, self._result(p, run, group.tokenize_s, temperature, policy))
+                )
             except Exception as exc:
                 results.append((p.index, decision_error(exc)))
         return results
@@ -171,13 +181,23 @@ class Scoring:
             self._one_pass(prepared[0])
             # The cache keeps the state's cells alone: the rest of sequence 0 is dropped (a model
             # whose memory cannot drop a tail, a recurrent one, is not cached).
+            tail = True
             if key is not None and self.llama.remove(0, n_prefix, -1):
+                tail = False
                 self._keep(cache, key)
-            return GroupRun(n_prefix, cache_state, time.perf_counter() - started)
+            return GroupRun(n_prefix, cache_state, time.perf_counter() - started, tail)
         if cache_state != "hit":
             self.llama.prefill(prefix)
             if key is not None:
                 self._keep(cache, key)
+        self._decode_members(n_prefix, prepared, settings)
+        return GroupRun(n_prefix, cache_state, time.perf_counter() - started)
+
+    def _decode_members(
+        self, n_prefix: int, prepared: Sequence[Prepared], settings: EngineSettings
+    ) -> None:
+        """Each member's suffix decoded as a branch of the prefix in sequence 0, in chunks that
+        fit the context's cells and sequences."""
         budget = self.llama.n_ctx - n_prefix
         chunk: list[Prepared] = []
         used = 0
@@ -196,7 +216,44 @@ class Scoring:
             used += cells
             labels = max(labels, p.label_branches)
         self._decode_branches(n_prefix, chunk)
-        return GroupRun(n_prefix, cache_state, time.perf_counter() - started)
+
+    def _more_orders(
+        self,
+        group: Group,
+        run: GroupRun,
+        settings: EngineSettings,
+        policy: ReadPolicy,
+        budget: Budget | None,
+    ) -> None:
+        """Further orders of the decisions whose leader is unclear (``rotation``), read round by
+        round as branches of the prefix still in sequence 0."""
+        pending = [p for p in group.prepared if p.request.order_samples is None]
+        prefix = group.prepared[0].tokens[: group.shared]
+        while pending:
+            variants: list[Prepared] = []
+            for p in pending:
+                for order in policy.next_orders(len(p.request.options), p.reads):
+                    variant = self.preparer.variant(p, order, group)
+                    if variant is not None:
+                        variants.append(variant)
+            if not variants:
+                return
+            if budget is not None:
+                budget.interrupt()
+            started = time.perf_counter()
+            if run.tail and not self.llama.remove(0, run.prefix_tokens, -1):
+                # A memory that cannot drop a tail (a recurrent model): the prefix again.
+                self.llama.remove(0)
+                self.llama.prefill(prefix)
+            run.tail = False
+            self._decode_members(run.prefix_tokens, variants, settings)
+            share = (time.perf_counter() - started) / len(variants)
+            for variant in variants:
+                variant.keep_read()
+                assert variant.parent is not None
+                variant.parent.extra_s += share
+                variant.parent.extra_tokens += len(variant.tokens) - run.prefix_tokens
+            pending = list({id(v.parent): v.parent for v in variants if v.parent}.values())
 
     def _keep(self, cache: PrefixCache, key: str) -> None:
         """Sequence 0 (the state's cells alone) into the cache, if it fits."""
@@ -290,46 +347,66 @@ class Scoring:
         p.readout_s += time.perf_counter() - started
 
     def _result(
-        self, p: Prepared, run: GroupRun, group_tokenize_s: float, temperature: float
+        self,
+        p: Prepared,
+        run: GroupRun,
+        group_tokenize_s: float,
+        temperature: float,
+        policy: ReadPolicy,
     ) -> DecisionResult:
         request = p.request
-        if not (np.all(np.isfinite(p.logits)) and np.isfinite(p.full_lse)):
+        if not all(np.all(np.isfinite(r.logits)) and np.isfinite(r.full_lse) for r in p.reads):
             raise EngineFailure(
                 "llama.cpp returned non-finite logits for this decision; it was not scored"
             )
-        probs = softmax(p.logits, temperature)
+        logits, allowed = policy.combine(p.reads)
+        probs = softmax(logits, temperature)
         if not np.all(np.isfinite(probs)):
             raise InvalidDecision(
                 f"temperature {temperature!r} makes the probabilities overflow; use a "
                 "temperature of 0.01 or more",
                 param="temperature",
             )
-        allowed = float(np.exp(logsumexp(p.logits) - p.full_lse))
         option_ids = [o.id for o in request.options]
         tokenize_s = p.tokenize_s + group_tokenize_s
         return DecisionResult(
             id=request.id,
             option_ids=option_ids,
             probabilities=[float(x) for x in probs],
-            option_logits=[float(x) for x in p.logits],
+            option_logits=[float(x) for x in logits],
             choice=option_ids[int(np.argmax(probs))],
             allowed_mass=min(1.0, allowed),
+            orders_read=len(p.reads),
             temperature=float(temperature),
             probability_status="raw",
             prefix_cache=run.cache,
             prompt=PromptInfo(
                 sha256=p.prompt_sha256,
                 version=p.prompt_version,
-                input_tokens=len(p.tokens),
+                input_tokens=len(p.tokens) + p.extra_tokens,
                 prefix_tokens=run.prefix_tokens,
                 profile=self.model_info.prompt_profile,
                 profile_sha256=self.model_info.prompt_profile_sha256,
             ),
             timing=Timing(
                 tokenize_s=tokenize_s,
-                prefill_s=run.prefill_s,
+                prefill_s=run.prefill_s + p.extra_s,
                 readout_s=p.readout_s,
-                total_s=tokenize_s + run.prefill_s + p.readout_s,
+                total_s=tokenize_s + run.prefill_s + p.extra_s + p.readout_s,
             ),
             model=self.model_info,
         )
+
+
+def _further_orders_tokens(group: Group, policy: ReadPolicy) -> int:
+    """The most tokens adaptive rotation may add to a group (every unclear decision read in all
+    its orders), counted in the request's budget before anything is decoded."""
+    if not policy.adaptive:
+        return 0
+    extra = 0
+    for p in group.prepared:
+        if p.request.order_samples is not None:
+            continue
+        reads = min(policy.max_reads, sum(len(r) for r in rounds(len(p.request.options))))
+        extra += (reads - 1) * (len(p.tokens) - group.shared + p.label_cells)
+    return extra

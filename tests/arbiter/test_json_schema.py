@@ -242,7 +242,9 @@ def test_the_schemas_pydantic_writes_are_accepted_and_compile(chat_engine: Engin
     low=st.one_of(st.none(), st.integers(-2500, 2500)),
     span=st.one_of(st.none(), st.integers(0, 3000)),
 )
-def test_integer_bounds_admit_exactly_the_integers_in_range(low: int | None, span: int | None) -> None:
+def test_integer_bounds_admit_exactly_the_integers_in_range(
+    low: int | None, span: int | None
+) -> None:
     """The bounds' grammar (int_range, written as GBNF and, with the same parts, as a regex):
     every integer in range and nothing else, each written one way (no leading zero, no -0)."""
     import re
@@ -262,6 +264,6 @@ def test_integer_bounds_admit_exactly_the_integers_in_range(low: int | None, spa
 def test_integer_bounds_reach_the_grammar() -> None:
     """The converter dropped minimum/maximum (its TODO): the grammar admitted any integer."""
     grammar = schema_grammar({"type": "integer", "minimum": 3, "maximum": 7}, "json_schema")
-    assert 'root ::= ([3-7]) space' in grammar
+    assert "root ::= ([3-7]) space" in grammar
     pydantic_like = {"type": "integer", "exclusiveMinimum": 0, "maximum": 120}
     assert "[1-9]" in schema_grammar(pydantic_like, "json_schema")

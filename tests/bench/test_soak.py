@@ -43,7 +43,9 @@ def test_metric_reads_one_labelled_sample() -> None:
 
 
 def test_a_short_soak_against_a_live_server(tmp_path: Path) -> None:
-    app = create_app(ServerSettings(max_in_flight=1, max_queue=8), lambda: FakeEngine(0.01, max_options=255))
+    app = create_app(
+        ServerSettings(max_in_flight=1, max_queue=8), lambda: FakeEngine(0.01, max_options=255)
+    )
     log = tmp_path / "serve.log"
     log.write_text("")
     args = argparse.Namespace(
