@@ -85,7 +85,7 @@ async def respond(request: web.Request, state: State, raw: Any) -> web.Response:
     parsed = await asyncio.to_thread(systemone.parse_request, raw)
     model_id = served_model_id(engine)
     systemone.check_model(parsed.model, model_id)
-    decisions = systemone.to_decisions(parsed)
+    decisions = systemone.with_budget(systemone.to_decisions(parsed), *budget_headers(request))
     systemone.refuse(parsed, budgets.screen(state.settings, engine, decisions))  # before a slot
     async with state.admission.slot() as slot:
         budget = budgets.limits(state.settings, engine, slot)
@@ -94,6 +94,39 @@ async def respond(request: web.Request, state: State, raw: Any) -> web.Response:
     request[REQUEST_LOG].decisions = len(decisions)
     request[REQUEST_LOG].tokens = body["usage"]["input_tokens"]
     return web.json_response(body)
+
+
+BUDGET_HEADERS = (("X-Arbiter-Max-Error", 0.0, 1.0), ("X-Arbiter-Min-Confidence", 0.0, 1.0))
+
+
+def budget_headers(request: web.Request) -> tuple[float | None, float | None]:
+    """An error budget (0 < e < 1) and a minimum confidence (0 to 1) from the request's headers;
+    a bad value is System One's 422 naming the header."""
+    values: list[float | None] = []
+    for name, low, high in BUDGET_HEADERS:
+        text = request.headers.get(name)
+        if text is None:
+            values.append(None)
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        exclusive = name == "X-Arbiter-Max-Error"
+        inside = low < value < high if exclusive else low <= value <= high
+        if not inside:
+            bound = "between 0 and 1, exclusive" if exclusive else "from 0 to 1"
+            raise systemone.SystemOneInvalid(
+                [
+                    {
+                        "loc": ["header", name.lower()],
+                        "msg": f"{name} must be a number {bound} (got {text!r})",
+                        "type": "value_error",
+                    }
+                ]
+            )
+        values.append(value)
+    return values[0], values[1]
 
 
 def models_listing(engine: Engine) -> list[dict[str, str]]:

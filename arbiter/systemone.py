@@ -89,7 +89,8 @@ class SystemOneInvalid(ArbiterError):
 
 
 def _detail(loc: list[Any], msg: str, kind: str = "value_error") -> dict[str, Any]:
-    return {"loc": ["body", *loc], "msg": msg, "type": kind}
+    where = loc if loc[:1] == ["header"] else ["body", *loc]  # FastAPI names a header so
+    return {"loc": where, "msg": msg, "type": kind}
 
 
 def parse_request(raw: Any) -> SystemOneRequest:
@@ -146,6 +147,8 @@ def location(
         return ["questions", qid]  # not one field's (a time budget spent before it was scored)
     if parts[0] == "state":
         return ["state"]
+    if parts[0] in ("max_error", "min_confidence"):
+        return ["header", f"x-arbiter-{parts[0].replace('_', '-')}"]
     if parts[0] == "question":
         return ["questions", qid, "instructions"]
     if parts[0] == "options":
@@ -196,23 +199,43 @@ def confidence(probabilities: list[float]) -> float:
 def answer(
     question: NoulQuestion | ChoiceQuestion | ScoreQuestion, result: DecisionResult
 ) -> dict[str, Any]:
+    """The SDK's answer shape; a decision held to an error budget or a minimum confidence adds
+    ``abstained`` and its ``abstention`` (keys the SDK's models ignore, so it reads them as
+    before; a client that wants them reads the raw JSON)."""
     probs = {oid: float(p) for oid, p in zip(result.option_ids, result.probabilities, strict=True)}
+    out: dict[str, Any]
     if isinstance(question, NoulQuestion):
-        return {"type": "noul", "noul": probs["true"]}
-    if isinstance(question, ChoiceQuestion):
-        return {
+        out = {"type": "noul", "noul": probs["true"]}
+    elif isinstance(question, ChoiceQuestion):
+        out = {
             "type": "choice",
             "choice": result.choice,
             "probabilities": probs,
             "confidence": confidence(result.probabilities),
         }
-    return {
-        "type": "score",
-        "score": float(sum(int(k) * p for k, p in probs.items())),
-        "legend": {str(i): level for i, level in enumerate(question.criteria)},
-        "probabilities": probs,
-        "confidence": confidence(result.probabilities),
-    }
+    else:
+        out = {
+            "type": "score",
+            "score": float(sum(int(k) * p for k, p in probs.items())),
+            "legend": {str(i): level for i, level in enumerate(question.criteria)},
+            "probabilities": probs,
+            "confidence": confidence(result.probabilities),
+        }
+    if result.abstention is not None:
+        out["abstained"] = result.abstained
+        out["abstention"] = result.abstention.model_dump()
+    return out
+
+
+def with_budget(
+    decisions: list[DecisionRequest], max_error: float | None, min_confidence: float | None
+) -> list[DecisionRequest]:
+    """Every question held to the request's error budget or minimum confidence (the headers
+    ``X-Arbiter-Max-Error`` / ``X-Arbiter-Min-Confidence``: System One's body has no place)."""
+    if max_error is None and min_confidence is None:
+        return decisions
+    update = {"max_error": max_error, "min_confidence": min_confidence}
+    return [d.model_copy(update=update) for d in decisions]
 
 
 def assemble(

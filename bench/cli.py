@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from bench.common import LABELED
+from bench.common import DECISIONS, LABELED
 
 SUITES = (
     "engine",
@@ -25,6 +25,7 @@ SUITES = (
     "soak",
     "peers",
     "transform",
+    "orders",
     "all",
 )
 MODULES = {"soak": "bench.soak"}  # the others are bench/<suite>_bench.py
@@ -165,6 +166,19 @@ def register(sub: Any) -> None:
         "--only-study", action="store_true", help="the in-process study alone (no servers)"
     )
     peers.add_argument("--json", action="store_true", help="print JSON (last line: the report)")
+
+    orders = suites.add_parser(
+        "orders", help="order robustness's cost: the defaults vs one read in the given order"
+    )
+    orders.add_argument(
+        "--file",
+        default=str(DECISIONS),
+        help="labeled decisions (a file, or a folder of them; default: the project's own)",
+    )
+    orders.add_argument("--split", default="heldout", help='items whose "split" is this ("" all)')
+    orders.add_argument("--limit", type=int, default=0, help="N decisions spread over the files")
+    orders.add_argument("--model", type=Path, default=None)
+    orders.add_argument("--json", action="store_true", help="print JSON")
 
     every = suites.add_parser("all", help="every benchmark, plus the peer comparisons")
     every.add_argument("--file", default=str(LABELED), help="labeled decisions for the comparisons")

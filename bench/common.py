@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent
 LABELED = ROOT / "examples" / "labeled.jsonl"
+DECISIONS = ROOT / "evaluation" / "data" / "decisions"  # the project's own labeled decisions
 
 
 def shown(path: Path | str) -> str:

@@ -244,8 +244,9 @@ def calibrate_reads(
     min_items: int = 25,
     margin: float | None = None,
     target_flip_rate: float = 0.05,
-) -> tuple[Calibration, dict[str, Any]]:
-    """Fit on one part of the read records, measure on the rest; the calibration and a report."""
+) -> tuple[Calibration, dict[str, Any], dict[str, tuple[list[float], list[bool]]]]:
+    """Fit on one part of the read records, measure on the rest: the calibration, a report, and
+    the held-out reliability curves (raw single reads at T = 1, and each calibrated policy)."""
     usable = [r for r in records if r["reads"]]
     fit_rows, held = split_items(usable, holdout, seed, holdout_split)
     if not fit_rows:
@@ -258,6 +259,7 @@ def calibrate_reads(
     before_rows = scored(held, replay_all(held, raw), None)
     flips_before = flip_rate(held, raw)
     policies: dict[str, PolicyCalibration] = {}
+    curves = {"raw (one read, T=1)": _curve(before_rows)}
     report: dict[str, Any] = {
         "items": len(records),
         "failures": len(records) - len(usable),
@@ -306,6 +308,7 @@ def calibrate_reads(
         }
         policies[name] = PolicyCalibration(temps, abstention, summary)
         report[name] = summary
+        curves[f"calibrated ({name})"] = _curve(held_scored)
     model = next((r["model"] for r in records if r.get("model")), None) or {}
     cal = Calibration(
         policies,
@@ -315,7 +318,11 @@ def calibrate_reads(
         model_file=model.get("file"),
         profile_sha256=model.get("prompt_profile_sha256"),
     )
-    return cal, report
+    return cal, report, curves
+
+
+def _curve(rows: Sequence[dict[str, Any]]) -> tuple[list[float], list[bool]]:
+    return [max(r["probabilities"]) for r in rows], [bool(r["correct"]) for r in rows]
 
 
 def _by_type(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

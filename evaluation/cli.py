@@ -187,7 +187,7 @@ def cmd_calibrate(args: argparse.Namespace, out: Any = None) -> int:
             "".join(json.dumps(r) + "\n" for r in records), encoding="utf-8"
         )
     try:
-        cal, summary = calibrate_reads(
+        cal, summary, curves = calibrate_reads(
             records,
             args.holdout,
             args.seed,
@@ -202,8 +202,11 @@ def cmd_calibrate(args: argparse.Namespace, out: Any = None) -> int:
     cal.extra["files"] = [str(f) for f in args.files]
     cal.extra["report"] = summary
     path = cal.save(Path(args.output))
+    png = path.with_suffix(".png")
+    if summary["held_out_items"]:
+        reliability_diagram(curves, png, "Held-out reliability")
     print(calibration_summary(summary), file=out)
-    print(f"\nwrote {path}\nserve with it: ARBITER_CALIBRATION={path}", file=out)
+    print(f"\nwrote {path} and {png}\nserve with it: ARBITER_CALIBRATION={path}", file=out)
     return 0
 
 
@@ -216,8 +219,12 @@ def _collect(args: argparse.Namespace, items: list[EvalItem]) -> list[dict[str, 
         from arbiter.engine import Engine
 
         backend = EngineBackend(Engine(_engine_settings(args, raw)))
+    held = args.holdout_split
     try:
-        return collect(items, backend, progress=not args.quiet)
+        # The held-out items (when named) are measured, not fitted on: no rotations for a prior.
+        return collect(
+            items, backend, lambda item: held is None or item.split != held, not args.quiet
+        )
     except RuntimeError as exc:
         print(f"arbiter: {exc}", file=sys.stderr)
         return None

@@ -15,7 +15,7 @@ them exactly as the engine runs it.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,16 +79,20 @@ def _read(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def collect(
-    items: Sequence[EvalItem], backend: Backend, rotations: bool = True, progress: bool = True
+    items: Sequence[EvalItem],
+    backend: Backend,
+    rotated: Callable[[EvalItem], bool] = lambda item: True,
+    progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """One record per item with its reads (or its error), items of one state read together."""
+    """One record per item with its reads (or its error). ``rotated``: whether an item is also
+    read in its cyclic rotations (the items a prior is fitted on; held-out items need not be)."""
     from tqdm import tqdm
 
     records = []
     with tqdm(total=len(items), unit="item", file=sys.stderr, disable=not progress) as bar:
         for item in items:
             n = len(item.request.options)
-            orders = orders_for(n, rotations)
+            orders = orders_for(n, rotated(item))
             outcomes = backend.decide_many([variant(item.request, o) for o in orders])
             record: dict[str, Any] = {
                 "id": item.id,

@@ -892,6 +892,55 @@ MUTATIONS = (
             "test_the_pool_protects_its_task_while_a_worker_holds_a_message",
         ),
     ),
+    # Issue 34: probabilities an application can act on.
+    Mutation(
+        "prior-corrects-reads",
+        "arbiter/engine/rotation.py",
+        "values = read.logits - bias if bias is not None else read.logits",
+        "values = read.logits",
+        (
+            "tests/arbiter/test_rotation.py::"
+            "test_reads_are_aligned_by_option_and_corrected_by_position",
+            "tests/arbiter/test_calibration.py::test_engine_applies_calibration",
+            "tests/evaluation/test_calibrate.py::"
+            "test_calibrate_reads_fits_the_prior_the_margin_temperatures_and_thresholds",
+        ),
+    ),
+    Mutation(
+        "unclear-reads-more",
+        "arbiter/engine/rotation.py",
+        "if leader_margin(self.combine(reads)[0]) >= self.margin:",
+        "if True:",
+        (
+            "tests/arbiter/test_rotation.py::test_a_clear_leader_stops_an_unclear_one_reads_on",
+            "tests/arbiter/test_calibration.py::"
+            "test_adaptive_reads_are_the_single_reads_of_each_order",
+        ),
+    ),
+    Mutation(
+        "further-orders-budgeted",
+        "arbiter/engine/scoring.py",
+        "    return extra\n",
+        "    return 0\n",
+        (BUDGET + "test_a_request_over_its_token_budget_is_refused_before_any_decode",),
+    ),
+    Mutation(
+        "abstention-union-bound",
+        "arbiter/engine/abstention.py",
+        "level = delta / tests",
+        "level = delta",
+        (
+            "tests/arbiter/test_abstention.py::"
+            "test_threshold_never_accepts_a_set_whose_bound_exceeds_the_budget",
+        ),
+    ),
+    Mutation(
+        "calibration-bound-to-profile",
+        "arbiter/engine/calibration.py",
+        "if self.profile_sha256 and profile_sha256 and self.profile_sha256 != profile_sha256:",
+        "if False:",
+        ("tests/arbiter/test_calibration.py::test_file_round_trip_and_refusals",),
+    ),
 )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,9 @@ from tests.threads import TEST_THREADS
 # The servers, workers and commands the tests start take as many threads as the tests' own engines
 # (tests.threads says why), unless a test names its own.
 os.environ.setdefault("ARBITER_N_THREADS", str(TEST_THREADS))
+# The tests keep the small bundled models: a catalog model installed on this machine (which every
+# command would load by default) is out of their sight, in their processes and those they start.
+os.environ.setdefault("ARBITER_MODEL_STORE", tempfile.mkdtemp(prefix="arbiter-test-store-"))
 
 # Generated-input tests: reproducible in `make test` (derandomized, no example database), random
 # and remembered (.hypothesis/) in `make fuzz`, where ARBITER_FUZZ_SCALE multiplies the examples.

@@ -123,6 +123,7 @@ class _Tally:
     engine_s: float = 0.0
     engine_ok: int = 0  # decisions the engine answered (a result or a typed error)
     engine_raised: int = 0  # decisions on which engine.score raised, alone
+    abstained: int = 0  # results under their error budget or minimum confidence
     codes: Counter[str] = field(default_factory=Counter)
 
 
@@ -223,6 +224,7 @@ async def _score_chunk(
             tally.codes[outcome.code] += 1
         else:
             tally.prompt_tokens += outcome.prompt.input_tokens
+            tally.abstained += int(outcome.abstained)
     tally.failed += failed
     tally.ok += len(chunk) - failed
     if metrics is not None:
@@ -356,6 +358,7 @@ def _count_record(tally: _Tally, record: dict[str, Any]) -> Any:
     tally.ok += 1
     result = record.get("result", {})
     tally.prompt_tokens += int(result.get("prompt", {}).get("input_tokens", 0))
+    tally.abstained += int(bool(result.get("abstained")))
     return result.get("model")
 
 
@@ -401,6 +404,7 @@ async def run_job(
         "ok": tally.ok,
         "failed": tally.failed,
         "errors_by_code": dict(sorted(tally.codes.items())),
+        "abstained": tally.abstained,
         "tokens": {"prompt": tally.prompt_tokens},
         "seconds": {"total": round(seconds, 4), "engine": round(tally.engine_s, 4)},
         "decisions_per_s": round(tally.lines / seconds, 3) if seconds > 0 else None,

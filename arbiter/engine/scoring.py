@@ -33,7 +33,7 @@ from arbiter.engine.preparing import Group, Prepared, Preparer, decision_error
 from arbiter.engine.probabilities import softmax
 from arbiter.engine.prompting import Prompts
 from arbiter.engine.rotation import ReadPolicy, rounds
-from arbiter.errors import EngineFailure, InvalidDecision
+from arbiter.errors import EngineFailure, InvalidDecision, TimeBudgetExceeded
 from arbiter.schema import DecisionRequest, DecisionResult, ModelInfo, PromptInfo, Timing
 from arbiter.scorer import Outcome
 from arbiter.settings import EngineSettings
@@ -238,15 +238,18 @@ class Scoring:
                         variants.append(variant)
             if not variants:
                 return
-            if budget is not None:
-                budget.interrupt()
             started = time.perf_counter()
-            if run.tail and not self.llama.remove(0, run.prefix_tokens, -1):
-                # A memory that cannot drop a tail (a recurrent model): the prefix again.
-                self.llama.remove(0)
-                self.llama.prefill(prefix)
-            run.tail = False
-            self._decode_members(run.prefix_tokens, variants, settings)
+            try:
+                if budget is not None:
+                    budget.interrupt()
+                if run.tail and not self.llama.remove(0, run.prefix_tokens, -1):
+                    # A memory that cannot drop a tail (a recurrent model): the prefix again.
+                    self.llama.remove(0)
+                    self.llama.prefill(prefix)
+                run.tail = False
+                self._decode_members(run.prefix_tokens, variants, settings)
+            except TimeBudgetExceeded:
+                return  # out of time: each decision keeps the orders it has read
             share = (time.perf_counter() - started) / len(variants)
             for variant in variants:
                 variant.keep_read()

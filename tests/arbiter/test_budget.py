@@ -165,8 +165,19 @@ def test_a_request_over_its_token_budget_is_refused_before_any_decode(
     assert decodes.calls == 0
     # Shared states count their prefix once: 8 questions over one state fit a budget that 8
     # independent decisions do not.
-    grouped = [decision(f"q{i}", requests[0].state, f"Question {i}?") for i in range(8)]
+    single = {"order_samples": 1}
+    grouped = [
+        decision(f"q{i}", requests[0].state, f"Question {i}?").model_copy(update=single)
+        for i in range(8)
+    ]
     assert all(isinstance(o, DecisionResult) for o in engine.score(grouped, Budget(3 * len(one))))
+    # Read adaptively, each may read its other order too: the budget counts that before it
+    # starts (the most it may read), so the same budget refuses it, with nothing decoded.
+    adaptive = [d.model_copy(update={"order_samples": None}) for d in grouped]
+    before = decodes.calls
+    with pytest.raises(TokenBudgetExceeded):
+        engine.score(adaptive, Budget(3 * len(one)))
+    assert decodes.calls == before
 
 
 def test_the_time_budget_refuses_by_estimate_and_stops_at_a_group(

@@ -116,3 +116,36 @@ def test_gpu_layers_without_gpu_backend_refuse_to_start(smol: Path) -> None:
         pytest.skip("this build has a GPU backend")
     with pytest.raises(ModelLoadError, match="no GPU backend"):
         Engine(EngineSettings(model=smol, n_gpu_layers=10, n_ctx=512))
+
+
+def test_the_best_installed_catalog_model_wins_over_bundled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_gguf: Path
+) -> None:
+    """With nothing configured, the catalog's best installed decider is served (its pinned
+    sha256 checked at load); the bundled demo only when none is installed."""
+    from arbiter import model_store
+
+    monkeypatch.setenv("ARBITER_MODEL_STORE", str(tmp_path / "store"))
+    assert resolve_model(None, tmp_path / "nothing").source == "bundled"
+    small, best = model_store.CATALOG[1], model_store.CATALOG[0]
+    for model in (small, best):
+        path = model_store.installed_path(model)
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"GGUF")  # resolution only: nothing is loaded
+        got = resolve_model(None, tmp_path / "nothing")
+        assert (got.path, got.source, got.expected_sha256) == (path, "installed", model.sha256)
+    # The model dir (SageMaker's) still wins over what is installed.
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "x.gguf").write_bytes(b"GGUF")
+    assert resolve_model(None, tmp_path / "dir").source == "model_dir"
+
+
+@pytest.mark.real_model
+def test_the_bundled_model_says_it_is_a_format_demo(
+    default_gguf: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    engine = Engine(EngineSettings(model_dir=Path("/nonexistent"), n_threads=TEST_THREADS))
+    engine.close()
+    said = capsys.readouterr()
+    assert "bundled_model" in said.out + said.err
+    assert "arbiter models install" in said.out + said.err

@@ -41,7 +41,7 @@ def test_a_clear_leader_stops_an_unclear_one_reads_on() -> None:
     assert policy.next_orders(3, clear) == []
     unclear = [_read((0, 1, 2), [1.0, 0.5, 0.0])]
     assert policy.next_orders(3, unclear) == [(2, 1, 0)]
-    two = unclear + [_read((2, 1, 0), [1.0, 0.5, 0.0])]  # reversed: option 2 leads there
+    two = [*unclear, _read((2, 1, 0), [1.0, 0.5, 0.0])]  # reversed: option 2 leads there
     assert policy.next_orders(3, two) == [(1, 2, 0), (0, 2, 1)]
     four = [*two, _read((1, 2, 0), [0.0, 0.0, 0.0]), _read((0, 2, 1), [0.0, 0.0, 0.0])]
     assert policy.next_orders(3, four) == []  # every round read

@@ -1,5 +1,6 @@
-"""Temperature fitting (`arbiter calibrate`): a known temperature is recovered, per type and
-globally, and measured on held-out items."""
+"""`arbiter calibrate`'s fitting: a known temperature is recovered, per type and bucket; on
+generated reads with a known position bias the prior is found, the flips fall, the held-out NLL
+improves and the fitted abstention threshold keeps its budget on held-out items."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from arbiter.engine.calibration import Calibration
+from arbiter.engine.calibration import Temperatures
+from arbiter.engine.probabilities import softmax
 from evaluation import calibrate as fitting
-from evaluation.calibrate import calibrate_records
+from evaluation.reads import key, orders_for
 
 
 def _synthetic(
@@ -31,55 +33,87 @@ def test_fit_recovers_a_known_temperature(true_t: float) -> None:
     logits, labels = _synthetic(true_t, 4000, 4, seed=7)
     fitted = fitting.fit_temperature(logits, labels)
     assert fitted == pytest.approx(true_t, rel=0.1)
-    # It is the NLL minimum: nudging it either way does not help.
     best = fitting.nll(logits, labels, fitted)
     assert best <= fitting.nll(logits, labels, fitted * 1.05)
     assert best <= fitting.nll(logits, labels, fitted / 1.05)
 
 
-def test_fit_per_type_and_global_with_ragged_rows() -> None:
+def test_fit_per_type_bucket_and_global_with_ragged_rows() -> None:
     a_logits, a_labels = _synthetic(3.0, 1500, 2, seed=1)
     b_logits, b_labels = _synthetic(0.6, 1500, 5, seed=2)
-    global_t, by_type = fitting.fit(
-        a_logits + b_logits, a_labels + b_labels, ["noul"] * 1500 + ["choice"] * 1500
+    c_logits, c_labels = _synthetic(1.5, 20, 3, seed=3)  # too few for their own
+    temps = fitting.fit_temperatures(
+        a_logits + b_logits + c_logits,
+        a_labels + b_labels + c_labels,
+        ["noul"] * 1500 + ["choice"] * 1520,
+        min_items=25,
     )
-    assert by_type["noul"] == pytest.approx(3.0, rel=0.15)
-    assert by_type["choice"] == pytest.approx(0.6, rel=0.15)
-    assert "score" not in by_type  # no items: the global one is used
-    assert 0.6 < global_t < 3.0
-    c = Calibration(global_t, by_type)
-    assert c.temperature_for("score") == global_t
-    assert c.temperature_for(None) == global_t
-    assert c.temperature_for("noul") == by_type["noul"]
+    assert temps.by_type["noul"] == pytest.approx(3.0, rel=0.15)
+    assert temps.by_bucket["choice:5-7"] == pytest.approx(0.6, rel=0.15)
+    assert "choice:3-4" not in temps.by_bucket  # 20 items: the type's is used
+    assert temps.for_decision("choice", 3) == temps.by_type["choice"]
+    assert temps.for_decision("score", 9) == temps.global_temperature
+    assert isinstance(Temperatures.from_dict(temps.to_dict(), path=None), Temperatures)  # type: ignore[arg-type]
 
 
 def test_nll_by_hand() -> None:
     # softmax([0, ln 3]) = [0.25, 0.75]
     assert fitting.nll([[0.0, math.log(3)]], [1], 1.0) == pytest.approx(-math.log(0.75))
-    assert fitting.nll([[0.0, math.log(3)]], [0], 1.0) == pytest.approx(-math.log(0.25))
 
 
-def test_calibrate_records_reports_held_out_before_and_after() -> None:
-    logits, labels = _synthetic(2.0, 600, 3, seed=3)
-    records = [
-        {
-            "option_logits": z,
-            "label_index": y,
-            "question_type": "choice",
-            "split": "test" if i % 4 == 0 else "train",
-            "model": {"file": "m.gguf", "sha256": "ab" * 32},
-            "prompt_version": "v",
-        }
-        for i, (z, y) in enumerate(zip(logits, labels, strict=True))
-    ]
-    records.append(
-        {"option_logits": None, "label_index": 0, "question_type": "choice", "split": "x"}
+def _reads_records(count: int, seed: int, temperature: float = 2.0) -> list[dict[str, object]]:
+    """Items whose reads are content + a strong first-position bias; labels drawn from the
+    content at ``temperature``. Split in half, fit/heldout."""
+    rng = np.random.default_rng(seed)
+    records = []
+    bias = {n: np.array([2.5] + [0.0] * (n - 1)) for n in (2, 3, 4)}
+    for i in range(count):
+        n = (2, 3, 4)[i % 3]
+        content = rng.normal(0, 3.0, n)
+        label = int(rng.choice(n, p=softmax(content, temperature)))
+        reads = {}
+        for order in orders_for(n):
+            z = content[list(order)] + bias[n]
+            reads[key(order)] = {"logits": z.tolist(), "mass": 0.9}
+        records.append(
+            {
+                "id": f"i{i}",
+                "file": "f.jsonl",
+                "n": n,
+                "reads": reads,
+                "label_index": label,
+                "question_type": "choice",
+                "split": "heldout" if i % 2 else "fit",
+                "model": {
+                    "file": "m.gguf",
+                    "sha256": "ab" * 32,
+                    "prompt_profile_sha256": "cd" * 32,
+                },
+            }
+        )
+    return records
+
+
+def test_calibrate_reads_fits_the_prior_the_margin_temperatures_and_thresholds() -> None:
+    records = _reads_records(1200, seed=4)
+    cal, report, curves = fitting.calibrate_reads(
+        records, holdout_split="heldout", target_flip_rate=0.05
     )
-    c, summary = calibrate_records(records, holdout_split="test")
-    assert summary["held_out_items"] == 150 and summary["fit_items"] == 450
-    assert summary["failures"] == 1
-    assert c.by_type["choice"] == pytest.approx(2.0, rel=0.2)
-    held = summary["held_out"]
-    assert held["after"]["nll"] < held["before"]["nll"]
-    assert held["after"]["accuracy"] == held["before"]["accuracy"]  # never changes a choice
-    assert c.model_sha256 == "ab" * 32
+    assert (report["fit_items"], report["held_out_items"]) == (600, 600)
+    # The prior: position 0 is e^2.5 times as likely as any other, whatever the option.
+    for n, prior in cal.position_prior.items():
+        assert prior[0] - prior[1] == pytest.approx(2.5, abs=1e-6), n
+    before = report["held_out_before"]
+    adaptive = report["adaptive"]["held_out"]
+    # Raw single reads flip whenever the bias beats the content; corrected reads never do.
+    assert before["flips"] > 0.2 * before["compared"]
+    assert adaptive["flips"] == 0 and report["single"]["held_out"]["flips"] == 0
+    assert adaptive["accuracy"] > before["accuracy"]
+    assert adaptive["nll"] < before["nll"]
+    assert report["adaptive"]["temperatures"]["global"] == pytest.approx(2.0, rel=0.2)
+    # The fitted 10% threshold keeps its budget on the held-out half (with room for noise).
+    held = adaptive["abstention"]["0.1"]
+    assert held["automated"] > 0 and held["error"] <= 0.1 + 0.03
+    assert cal.model_sha256 == "ab" * 32 and cal.profile_sha256 == "cd" * 32
+    assert cal.margin in fitting.MARGINS
+    assert set(curves) == {"raw (one read, T=1)", "calibrated (adaptive)", "calibrated (single)"}

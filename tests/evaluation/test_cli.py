@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 
@@ -25,36 +25,48 @@ class _Fake(BaseHTTPRequestHandler):
 
     seen: ClassVar[list[dict[str, object]]] = []
 
+    def do_GET(self) -> None:
+        self._send(404, {"error": {"type": "not_found_error", "code": "x", "message": "no"}})
+
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        refused = {"error": {"type": "invalid_request_error", "code": "x", "message": "no"}}
+        if "decisions" in body:
+            _Fake.seen.extend(body["decisions"])
+            results = [
+                refused | {"id": d["id"]} if d["id"].startswith("route-2") else _Fake.result(d)
+                for d in body["decisions"]
+            ]
+            self._send(200, {"results": results})
+            return
         decision = body["decision"]
         _Fake.seen.append(decision)
         if self.path != "/invocations" or decision["id"] == "route-2":
-            self._send(
-                422, {"error": {"type": "invalid_request_error", "code": "x", "message": "no"}}
-            )
+            self._send(422, refused)
             return
+        self._send(200, {"result": _Fake.result(decision)})
+
+    @staticmethod
+    def result(decision: dict[str, Any]) -> dict[str, Any]:
         options = decision["options"]
-        logits = [float(len(o["description"])) / 10 for o in options]
+        # The longest description wins, ties broken by the id (never by position).
+        logits = [
+            len(o["description"]) / 10 + (sum(map(ord, o["id"])) % 97) * 1e-4 for o in options
+        ]
         total = sum(math.exp(z) for z in logits)
         probs = [math.exp(z) / total for z in logits]
         ids = [o["id"] for o in options]
-        self._send(
-            200,
-            {
-                "result": {
-                    "id": decision["id"],
-                    "option_ids": ids,
-                    "probabilities": probs,
-                    "option_logits": logits,
-                    "choice": ids[probs.index(max(probs))],
-                    "allowed_mass": 0.9,
-                    "probability_status": "raw",
-                    "prompt": {"version": "fake-v1"},
-                    "model": {"file": "fake.gguf", "sha256": "cd" * 32},
-                }
-            },
-        )
+        return {
+            "id": decision["id"],
+            "option_ids": ids,
+            "probabilities": probs,
+            "option_logits": logits,
+            "choice": ids[probs.index(max(probs))],
+            "allowed_mass": 0.9,
+            "probability_status": "raw",
+            "prompt": {"version": "fake-v1"},
+            "model": {"file": "fake.gguf", "sha256": "cd" * 32},
+        }
 
     def _send(self, status: int, body: dict[str, object]) -> None:
         data = json.dumps(body).encode()
@@ -112,7 +124,10 @@ def test_eval_against_an_endpoint_counts_failures_as_wrong(fake_url: str, tmp_pa
     sent = {d["id"]: d for d in _Fake.seen}
     assert sent["jb-score-1"]["question_type"] == "score"
     assert "order_samples" not in sent["jb-score-1"]
+    assert len(_Fake.seen) == 18  # each item again with its options reversed
+    assert report["order"]["compared"] == 8 and report["order"]["flips"] == 0
     assert (tmp_path / "reliability.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "risk-coverage.png").read_bytes()[:4] == b"\x89PNG"
     assert "| overall | 9 | 1 |" in out.getvalue()
     assert "| type: noul | 2 |" in out.getvalue()
 
@@ -130,9 +145,10 @@ def test_eval_order_samples_are_sent_and_compared(fake_url: str, tmp_path: Path)
         "--quiet",
     )
     assert cmd_eval(args, io.StringIO()) == 0
-    assert [d.get("order_samples") for d in _Fake.seen] == [None, 3] * 3
-    order = json.loads((tmp_path / "eval-report.json").read_text())["order"]
-    assert (order["samples"], order["compared"], order["flips"]) == (3, 2, 0)
+    assert [d.get("order_samples") for d in _Fake.seen] == [3] * 6
+    report = json.loads((tmp_path / "eval-report.json").read_text())
+    assert report["order_samples"] == 3
+    assert (report["order"]["compared"], report["order"]["flips"]) == (2, 0)
 
 
 def test_unreachable_endpoint_is_a_failure_not_a_crash() -> None:
@@ -171,11 +187,13 @@ def test_calibrate_against_an_endpoint_writes_a_loadable_file(
     raw = json.loads(target.read_text())
     assert raw["report"]["fit_items"] == 3 and raw["report"]["held_out_items"] == 3
     assert target.with_suffix(".png").exists()
-    assert "| before | 3 |" in out.getvalue()
+    assert "| before (raw, one read) |" in out.getvalue()
+    # Every read is one order of one item, raw, sent with the item's other orders together.
+    assert all(d["order_samples"] == 1 and d["temperature"] == 1.0 for d in _Fake.seen)
 
 
 def test_eval_in_process_with_order_samples(tmp_path: Path) -> None:
-    """The real engine: two JevBench items, K=2 orders, flips counted, report and PNG written."""
+    """The real engine: two JevBench items, K=2 orders, flips counted, report and PNGs written."""
     lines = (DATA / "jevbench-mini.jsonl").read_text().splitlines()[:2]
     task = tmp_path / "two.jsonl"
     task.write_text("\n".join(lines) + "\n")
@@ -189,7 +207,7 @@ def test_eval_in_process_with_order_samples(tmp_path: Path) -> None:
     assert 0 <= report["order"]["flips"] <= 2
     assert report["model"]["file"].endswith(".gguf")
     assert (tmp_path / "o" / "reliability.png").exists()
-    assert "Order robustness:" in out.getvalue()
+    assert "answer changes when the options are reversed" in out.getvalue()
 
 
 def test_two_profiles_are_compared_on_one_labeled_file(
@@ -213,7 +231,16 @@ def test_two_profiles_are_compared_on_one_labeled_file(
     reports = {}
     for name, value in (("builtin", "arbiter-letters-v1"), ("mine", str(profile))):
         out = tmp_path / name
-        argv = ["eval", str(task), "--profile", value, "--out", str(out), "--quiet"]
+        argv = [
+            "eval",
+            str(task),
+            "--profile",
+            value,
+            "--out",
+            str(out),
+            "--quiet",
+            "--no-reversed",
+        ]
         assert cmd_eval(_args(*argv), io.StringIO()) == 0
         reports[name] = json.loads((out / "eval-report.json").read_text())
     assert reports["builtin"]["prompt_version"] == "arbiter-letters-v1/plain"

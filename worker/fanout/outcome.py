@@ -37,6 +37,7 @@ class Outcome(BaseModel):
     ok: int
     failed: int
     errors_by_code: dict[str, int] = {}
+    abstained: int = 0  # results under their error budget or minimum confidence
     prompt_tokens: int = 0
     engine_s: float = 0.0
     seconds: float = 0.0

@@ -155,6 +155,7 @@ class ShardWork:
             ok=tally.ok,
             failed=tally.failed,
             errors_by_code=dict(sorted(tally.codes.items())),
+            abstained=tally.abstained,
             prompt_tokens=tally.prompt_tokens,
             engine_s=round(tally.engine_s, 4),
             seconds=round(time.perf_counter() - started, 4),

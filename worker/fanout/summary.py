@@ -81,6 +81,7 @@ def build_summary(
         "ok": ok,
         "failed": lines - ok,
         "errors_by_code": dict(sorted(codes.items())),
+        "abstained": sum(o.abstained for o in outcomes),
         "tokens": {"prompt": sum(o.prompt_tokens for o in outcomes)},
         "seconds": {
             "total": round(total_s, 4),
@@ -133,7 +134,7 @@ class ResultsTally:
     def __init__(self, manifest: Manifest) -> None:
         self.spans = manifest.shards
         self.starts = [s.first for s in self.spans]
-        self.lines = self.ok = self.tokens = 0
+        self.lines = self.ok = self.tokens = self.abstained = 0
         self.codes: Counter[str] = Counter()
         self.lost: Counter[int] = Counter()  # shard_failed lines by shard
         self.errors: dict[int, str] = {}
@@ -152,6 +153,7 @@ class ResultsTally:
         self.ok += 1
         result = record.get("result", {})
         self.tokens += int(result.get("prompt", {}).get("input_tokens", 0))
+        self.abstained += int(bool(result.get("abstained")))
         if isinstance(result.get("model"), dict):
             self.models.setdefault(shard, result["model"])
 
@@ -183,6 +185,7 @@ class ResultsTally:
             "ok": self.ok,
             "failed": self.lines - self.ok,
             "errors_by_code": dict(sorted(self.codes.items())),
+            "abstained": self.abstained,
             "tokens": {"prompt": self.tokens},
             "model": {k: v for k, v in scored_by[0].items() if k != "shards"}
             if scored_by
