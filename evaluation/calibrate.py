@@ -5,12 +5,14 @@ held-out part:
 
 1. **The position prior** per option count, label-free, from the fit items' cyclic rotations
    (``rotation.fit_prior``).
-2. **The margin** of adaptive rotation: the smallest on ``MARGINS`` whose replayed flip rate
-   between the given and the reversed order on the fit part is at most ``target_flip_rate`` (labels
-   are not used either).
+2. **The margin** of adaptive rotation: the smallest on ``MARGINS`` whose replayed NLL on the fit
+   part (at its own fitted temperature) is within ``tolerance`` of the best margin's: the cheapest
+   that reads about as well as reading every round. (Its flip rate is zero whatever the margin:
+   every order of the same options starts from the same canonical order.)
 3. Per read policy (adaptive, single), replayed on the fit part: **temperatures** by NLL (a global
    one; per question type and per type and option-count bucket where ``min_items`` items exist),
-   then the fit items' calibrated top probabilities and correctness, the **abstention** scores.
+   the **top-label map** on the tempered top probabilities (``toplabel``), then the fit items'
+   calibrated top probabilities and correctness: the **abstention** scores.
 4. The same replayed on the held-out part, against the raw single read at T = 1 (what Arbiter did
    before): accuracy, NLL, Brier, ECE, flips, orders read, the risk-coverage points and the
    fitted abstention thresholds' error and coverage.
@@ -27,16 +29,18 @@ from typing import Any
 
 import numpy as np
 
+from arbiter.engine import toplabel
 from arbiter.engine.abstention import Abstention
 from arbiter.engine.calibration import Calibration, PolicyCalibration, Temperatures, bucket
 from arbiter.engine.probabilities import logsumexp, softmax
 from arbiter.engine.rotation import Read, ReadPolicy, fit_prior
+from arbiter.engine.toplabel import TopLabel
 from evaluation import metrics
 from evaluation.policy import Replayed, flip_rate, mean_reads, replay_all
 from evaluation.reads import reads_of
 
 LOG_T_RANGE = (math.log(0.02), math.log(50.0))
-MARGINS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
+MARGINS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 8.0)
 BUDGETS = (0.01, 0.05, 0.1)
 
 
@@ -138,9 +142,10 @@ def scored(
     records: Sequence[dict[str, Any]],
     replayed: Sequence[Replayed | None],
     temperatures: Temperatures | None,
+    top: TopLabel | None = None,
 ) -> list[dict[str, Any]]:
     """Eval-like rows (probabilities, correct, label index) of replayed records; ``temperatures``
-    None: T = 1."""
+    None: T = 1; ``top``: the top-label map after the temperature."""
     rows = []
     for record, rep in zip(records, replayed, strict=True):
         if rep is None:
@@ -150,10 +155,12 @@ def scored(
             if temperatures is not None
             else 1.0
         )
-        probs = softmax(rep.logits, t)
+        probs = softmax(rep.logits, t).tolist()
+        if top is not None:
+            probs = top.apply(probs)
         rows.append(
             {
-                "probabilities": probs.tolist(),
+                "probabilities": probs,
                 "option_logits": rep.logits.tolist(),
                 "label_index": record["label_index"],
                 "correct": int(np.argmax(probs)) == record["label_index"],
@@ -215,25 +222,40 @@ def fit_priors(records: Sequence[dict[str, Any]]) -> dict[int, np.ndarray]:
 
 
 def choose_margin(
-    records: Sequence[dict[str, Any]], prior: dict[int, np.ndarray], target_flip_rate: float
+    records: Sequence[dict[str, Any]], prior: dict[int, np.ndarray], tolerance: float = 0.005
 ) -> tuple[float, list[dict[str, Any]]]:
-    """The smallest margin whose flip rate on ``records`` is at most the target (else the
-    largest), and the study of every margin tried."""
+    """The cheapest margin that reads about as well as any: per margin on ``MARGINS``, the
+    policy replayed on ``records`` at its own fitted temperature; the smallest margin whose NLL
+    is within ``tolerance`` of the best. Labels pick it, so it is fitted on the fit part only.
+    Returns the margin and the study of every margin tried."""
     study: list[dict[str, Any]] = []
     for margin in MARGINS:
         policy = ReadPolicy(True, margin, prior=prior)
+        replayed = replay_all(records, policy)
+        kept = [(r, p) for r, p in zip(records, replayed, strict=True) if p is not None]
+        logits = [p.logits.tolist() for _, p in kept]
+        labels = [r["label_index"] for r, _ in kept]
+        t = fit_temperature(logits, labels) if kept else 1.0
         flips, compared = flip_rate(records, policy)
         study.append(
             {
                 "margin": margin,
+                "nll": nll(logits, labels, t) if kept else None,
+                "accuracy": float(
+                    np.mean([np.argmax(z) == y for z, y in zip(logits, labels, strict=True)])
+                )
+                if kept
+                else None,
                 "flip_rate": flips / compared if compared else None,
-                "mean_reads": mean_reads(replay_all(records, policy)),
+                "mean_reads": mean_reads(replayed),
             }
         )
-    for row in study:
-        if row["flip_rate"] is not None and row["flip_rate"] <= target_flip_rate:
-            return float(row["margin"]), study
-    return MARGINS[-1], study
+    scored_rows = [row for row in study if row["nll"] is not None]
+    if not scored_rows:
+        return MARGINS[0], study
+    best = min(row["nll"] for row in scored_rows)
+    chosen = next(row for row in scored_rows if row["nll"] <= best + tolerance)
+    return float(chosen["margin"]), study
 
 
 def calibrate_reads(
@@ -243,7 +265,7 @@ def calibrate_reads(
     holdout_split: str | None = None,
     min_items: int = 25,
     margin: float | None = None,
-    target_flip_rate: float = 0.05,
+    tolerance: float = 0.005,
 ) -> tuple[Calibration, dict[str, Any], dict[str, tuple[list[float], list[bool]]]]:
     """Fit on one part of the read records, measure on the rest: the calibration, a report, and
     the held-out reliability curves (raw single reads at T = 1, and each calibrated policy)."""
@@ -254,7 +276,7 @@ def calibrate_reads(
     prior = fit_priors(fit_rows)
     study: list[dict[str, Any]] = []
     if margin is None:
-        margin, study = choose_margin(fit_rows, prior, target_flip_rate)
+        margin, study = choose_margin(fit_rows, prior, tolerance)
     raw = ReadPolicy(False)
     before_rows = scored(held, replay_all(held, raw), None)
     flips_before = flip_rate(held, raw)
@@ -288,16 +310,22 @@ def calibrate_reads(
             [_question_type(r) for r, _ in kept],
             min_items,
         )
-        fit_scored = scored(fit_rows, fit_replayed, temps)
+        tempered = scored(fit_rows, fit_replayed, temps)
+        top = toplabel.fit(
+            [max(r["probabilities"]) for r in tempered], [bool(r["correct"]) for r in tempered]
+        )
+        fit_scored = scored(fit_rows, fit_replayed, temps, top)
         abstention = Abstention.of(
             [max(r["probabilities"]) for r in fit_scored], [bool(r["correct"]) for r in fit_scored]
         )
         held_replayed = replay_all(held, policy)
-        held_scored = scored(held, held_replayed, temps)
+        held_scored = scored(held, held_replayed, temps, top)
         flips = flip_rate(held, policy)
         summary = {
             "temperatures": temps.to_dict(),
+            "top_label": top.to_dict(),
             "fit": measured(fit_scored),
+            "held_out_temperature_only": measured(scored(held, held_replayed, temps)),
             "held_out": {
                 **measured(held_scored, abstention),
                 "flips": flips[0],
@@ -306,7 +334,7 @@ def calibrate_reads(
                 "by_question_type": _by_type(held_scored),
             },
         }
-        policies[name] = PolicyCalibration(temps, abstention, summary)
+        policies[name] = PolicyCalibration(temps, abstention, summary, top)
         report[name] = summary
         curves[f"calibrated ({name})"] = _curve(held_scored)
     model = next((r["model"] for r in records if r.get("model")), None) or {}

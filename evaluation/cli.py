@@ -182,10 +182,6 @@ def cmd_calibrate(args: argparse.Namespace, out: Any = None) -> int:
         if collected is None:
             return 2
         records = collected
-    if args.reads:
-        Path(args.reads).write_text(
-            "".join(json.dumps(r) + "\n" for r in records), encoding="utf-8"
-        )
     try:
         cal, summary, curves = calibrate_reads(
             records,
@@ -194,7 +190,7 @@ def cmd_calibrate(args: argparse.Namespace, out: Any = None) -> int:
             args.holdout_split,
             args.min_items,
             args.margin,
-            args.target_flip_rate,
+            args.margin_tolerance,
         )
     except ValueError as exc:
         print(f"arbiter: {exc}", file=sys.stderr)
@@ -211,7 +207,19 @@ def cmd_calibrate(args: argparse.Namespace, out: Any = None) -> int:
 
 
 def _collect(args: argparse.Namespace, items: list[EvalItem]) -> list[dict[str, Any]] | None:
-    """Raw reads of every item: an endpoint's, or an engine's with no calibration applied."""
+    """Raw reads of every item: an endpoint's, or an engine's with no calibration applied. With
+    ``--reads FILE``, the reads it already holds are kept (only missing orders are read), each
+    item's record is appended to ``FILE.partial`` as it completes (a stopped run resumes there),
+    and the file is written whole at the end."""
+    reads = Path(args.reads) if args.reads else None
+    done: dict[tuple[str, str], dict[str, Any]] = {}
+    partial = reads.with_name(reads.name + ".partial") if reads else None
+    for path in (reads, partial):
+        if path is not None and path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    record = json.loads(line)
+                    done[(record["file"], record["id"])] = record
     raw = {"shipped_calibration": "false", "calibration": None, "order_policy": "single"}
     if args.url:
         backend: Backend = HttpBackend(args.url, timeout=args.timeout)
@@ -220,16 +228,31 @@ def _collect(args: argparse.Namespace, items: list[EvalItem]) -> list[dict[str, 
 
         backend = EngineBackend(Engine(_engine_settings(args, raw)))
     held = args.holdout_split
+
+    def keep(record: dict[str, Any]) -> None:
+        if partial is not None:
+            with partial.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+
     try:
         # The held-out items (when named) are measured, not fitted on: no rotations for a prior.
-        return collect(
-            items, backend, lambda item: held is None or item.split != held, not args.quiet
+        records = collect(
+            items,
+            backend,
+            lambda item: held is None or item.split != held,
+            not args.quiet,
+            done,
+            keep,
         )
     except RuntimeError as exc:
         print(f"arbiter: {exc}", file=sys.stderr)
         return None
     finally:
         backend.close()
+    if reads is not None and partial is not None:
+        reads.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+        partial.unlink(missing_ok=True)
+    return records
 
 
 def _read_records(path: Path, items: list[EvalItem]) -> list[dict[str, Any]]:
@@ -244,7 +267,12 @@ def _read_records(path: Path, items: list[EvalItem]) -> list[dict[str, Any]]:
         item = by_key.get((record["file"], record["id"]))
         if item is None:
             continue
-        record.update(label=item.label, label_index=item.label_index, split=item.split)
+        record.update(
+            label=item.label,
+            label_index=item.label_index,
+            split=item.split,
+            option_ids=[o.id for o in item.request.options],
+        )
         records.append(record)
     if not records:
         raise ValueError(f"{path} holds no reads of the given files' items")
@@ -348,13 +376,13 @@ def register(sub: Any) -> None:
         "--margin",
         type=float,
         default=None,
-        help="adaptive rotation's margin (logits); unset: the smallest meeting --target-flip-rate",
+        help="adaptive rotation's margin (logits); unset: the cheapest within --margin-tolerance",
     )
     cal.add_argument(
-        "--target-flip-rate",
+        "--margin-tolerance",
         type=float,
-        default=0.05,
-        help="the fit part's flip rate the margin is chosen for (default 0.05)",
+        default=0.005,
+        help="the fit NLL above the best margin's that a cheaper margin may have (default 0.005)",
     )
     cal.add_argument("--reads", default=None, help="also write the raw reads (JSON Lines) here")
     cal.add_argument(

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from arbiter.engine.rotation import Order, Read, ReadPolicy
-from evaluation.reads import in_terms_of, reads_of
+from evaluation.reads import in_terms_of, reads_of, start_of
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,8 @@ def replay(record: dict[str, Any], policy: ReadPolicy, reversed_: bool = False) 
     ``reversed_``); None when a read the policy asks for was not recorded."""
     available = reads_of(record)
     n = int(record["n"])
-    start: Order = tuple(range(n))[::-1] if reversed_ else tuple(range(n))
+    base: Order = tuple(range(n))[::-1] if reversed_ else tuple(range(n))
+    start = start_of(record["option_ids"], base, policy.adaptive)
 
     def read(order: Order) -> Read | None:
         found = available.get(in_terms_of(start, order))
@@ -46,7 +47,7 @@ def replay(record: dict[str, Any], policy: ReadPolicy, reversed_: bool = False) 
         lse = float(np.log(np.sum(np.exp(logits - logits.max()))) + logits.max())
         return Read(order, logits, lse - math.log(max(mass, 1e-300)))
 
-    first = read(tuple(range(n)))  # the request's own order first
+    first = read(tuple(range(n)))  # the request's first read: its start order
     if first is None:
         return None
     taken = [first]

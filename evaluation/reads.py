@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from arbiter.engine.rotation import Order, cyclic_orders, rounds
+from arbiter.engine.rotation import Order, canonical, cyclic_orders, rounds
 from arbiter.schema import DecisionRequest
 from evaluation.backends import Backend
 from evaluation.tasks import EvalItem
@@ -42,15 +42,24 @@ def in_terms_of(start: Order, order: Order) -> Order:
     return tuple(start[i] for i in order)
 
 
-def orders_for(n: int, rotations: bool = True) -> list[Order]:
-    """Every order a fit or a study reads for ``n`` options: the adaptive rounds of the given
-    order and of the reversed one, and (``rotations``) the cyclic rotations."""
+def start_of(option_ids: Sequence[str], base: Order, adaptive: bool) -> Order:
+    """The first order a request whose options are the given ones in ``base`` is read in, as an
+    order of the given options: its canonical order when read adaptively, else ``base`` itself."""
+    if not adaptive:
+        return base
+    return in_terms_of(base, canonical([option_ids[i] for i in base]))
+
+
+def orders_for(option_ids: Sequence[str], rotations: bool = True) -> list[Order]:
+    """Every order a fit or a study reads: the given order and the reversed one (one read each,
+    as the single-order policy reads them), the adaptive rounds from the canonical order, and
+    (``rotations``) the given order's cyclic rotations, for the position prior."""
+    n = len(option_ids)
     identity = tuple(range(n))
-    wanted: list[Order] = []
-    for start in (identity, identity[::-1]):
-        for round_ in rounds(n):
-            for order in round_:
-                wanted.append(in_terms_of(start, order))
+    start = start_of(option_ids, identity, adaptive=True)
+    wanted: list[Order] = [identity, identity[::-1]]
+    for round_ in rounds(n):
+        wanted += [in_terms_of(start, order) for order in round_]
     if rotations and n <= MAX_ROTATED:
         wanted += cyclic_orders(n)
     return list(dict.fromkeys(wanted))
@@ -83,43 +92,62 @@ def collect(
     backend: Backend,
     rotated: Callable[[EvalItem], bool] = lambda item: True,
     progress: bool = True,
+    done: dict[tuple[str, str], dict[str, Any]] | None = None,
+    sink: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One record per item with its reads (or its error). ``rotated``: whether an item is also
-    read in its cyclic rotations (the items a prior is fitted on; held-out items need not be)."""
+    read in its cyclic rotations (the items a prior is fitted on; held-out items need not be).
+    ``done``: records read before (by file and id): only the orders they lack are read. Each
+    record goes to ``sink`` as soon as it is complete, so a long run can be resumed."""
     from tqdm import tqdm
 
     records = []
     with tqdm(total=len(items), unit="item", file=sys.stderr, disable=not progress) as bar:
         for item in items:
-            n = len(item.request.options)
-            orders = orders_for(n, rotated(item))
-            outcomes = backend.decide_many([variant(item.request, o) for o in orders])
-            record: dict[str, Any] = {
-                "id": item.id,
-                "file": item.file,
-                "tier": item.tier,
-                "family": item.family,
-                "split": item.split,
-                "question_type": item.question_type,
-                "label": item.label,
-                "label_index": item.label_index,
-                "n": n,
-                "tokens": None,
-                "reads": {},
-                "error": None,
-            }
+            ids = [o.id for o in item.request.options]
+            record = _record(item, (done or {}).get((item.file, item.id)))
+            have = {parse_key(k) for k in record["reads"]}
+            orders = [o for o in orders_for(ids, rotated(item)) if o not in have]
+            outcomes = (
+                backend.decide_many([variant(item.request, o) for o in orders]) if orders else []
+            )
             for order, (result, error) in zip(orders, outcomes, strict=True):
                 if result is None:
                     record["error"] = error
                     record["reads"] = {}
                     break
                 record["reads"][key(order)] = _read(result)
-                if order == tuple(range(n)):
+                if order == tuple(range(len(ids))):
                     record["tokens"] = (result.get("prompt") or {}).get("input_tokens")
                     record["model"] = result.get("model")
             records.append(record)
+            if sink is not None:
+                sink(record)
             bar.update(1)
     return records
+
+
+def _record(item: EvalItem, earlier: dict[str, Any] | None) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "id": item.id,
+        "file": item.file,
+        "tier": item.tier,
+        "family": item.family,
+        "split": item.split,
+        "question_type": item.question_type,
+        "label": item.label,
+        "label_index": item.label_index,
+        "option_ids": [o.id for o in item.request.options],
+        "n": len(item.request.options),
+        "tokens": None,
+        "reads": {},
+        "error": None,
+    }
+    if earlier is not None and not earlier.get("error"):
+        record.update(
+            reads=dict(earlier["reads"]), tokens=earlier.get("tokens"), model=earlier.get("model")
+        )
+    return record
 
 
 def reads_of(record: dict[str, Any]) -> dict[Order, tuple[np.ndarray, float]]:

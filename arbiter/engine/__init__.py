@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from arbiter import prompt as prompts
-from arbiter.engine import multilabel, ordering, read_check
+from arbiter.engine import multilabel, ordering, read_check, rotation
 from arbiter.engine.budget import Budget
 from arbiter.engine.calibration import Calibration, describe, shipped
 from arbiter.engine.cost import CostFloor
@@ -235,15 +235,22 @@ class Engine:
         """
         settings = self.settings
         questions, labels_plan = multilabel.expand(decisions)
-        expanded, plan = ordering.expand(questions)
         policy = self.read_policy(settings)
+        expanded, plan = ordering.expand(rotation.canonical_requests(questions, policy))
         with self._lock:
             self.llama.check_open()
             if budget is not None:
                 budget.start()
             with self.llama.interruptible(budget.interrupt if budget is not None else None):
                 outcomes = self._scoring.score(expanded, settings, self.cache, budget, policy)
-        merged = ordering.merge(questions, outcomes, plan, settings.temperature)
+        merged = [
+            rotation.as_given(d, o)
+            for d, o in zip(
+                questions,
+                ordering.merge(questions, outcomes, plan, settings.temperature),
+                strict=True,
+            )
+        ]
         finisher = Finisher(
             self.calibration, settings.order_policy, settings.max_error, settings.min_confidence
         )

@@ -9,8 +9,8 @@ their probabilities are calibrated out of the box. It holds:
 - **temperatures** per read policy (adaptive, single), question type and option-count bucket,
   fitted by NLL on labeled decisions; a result is softmaxed at the most specific one that exists
   (type and bucket, then type, then any type in that bucket, then the policy's global one) unless
-  its request set its own. Dividing by T > 0 never changes which option leads, so calibration never
-  changes a choice;
+  its request set its own; then the **top-label map** (``toplabel``) makes the leading option's
+  probability honest. Neither changes which option leads, so calibration never changes a choice;
 - the **abstention** scores of the fit part per policy (``abstention``): thresholds for any error
   budget are derived from them.
 
@@ -32,6 +32,7 @@ import numpy as np
 from arbiter.engine.abstention import Abstention
 from arbiter.engine.probabilities import softmax
 from arbiter.engine.rotation import DEFAULT_MARGIN
+from arbiter.engine.toplabel import TopLabel
 from arbiter.errors import ModelLoadError
 from arbiter.schema import MAX_TEMPERATURE, MIN_TEMPERATURE
 
@@ -107,6 +108,7 @@ class PolicyCalibration:
     temperatures: Temperatures
     abstention: Abstention | None = None
     report: dict[str, Any] = field(default_factory=dict)
+    top_label: TopLabel | None = None  # after the temperature (``toplabel``)
 
 
 @dataclass(frozen=True)
@@ -138,8 +140,12 @@ class Calibration:
     def probabilities(
         self, logits: list[float], question_type: str | None, policy: str
     ) -> tuple[list[float], float]:
-        temperature = self.temperature_for(question_type, len(logits), policy)
-        return softmax(logits, temperature).tolist(), temperature
+        calibration = self.policy(policy)
+        temperature = calibration.temperatures.for_decision(question_type, len(logits))
+        probs = softmax(logits, temperature).tolist()
+        if calibration.top_label is not None:
+            probs = calibration.top_label.apply(probs)
+        return probs, temperature
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -156,6 +162,7 @@ class Calibration:
             "policies": {
                 name: {
                     "temperatures": p.temperatures.to_dict(),
+                    "top_label": p.top_label.to_dict() if p.top_label else None,
                     "abstention": p.abstention.to_dict() if p.abstention else None,
                     "report": p.report,
                 }
@@ -210,10 +217,19 @@ class Calibration:
                 if name not in POLICIES:
                     raise ValueError(f"unknown read policy {name!r} (one of {POLICIES})")
                 abstention = body.get("abstention")
+                top = body.get("top_label")
+                if top is not None and not (
+                    isinstance(top.get("a"), int | float)
+                    and isinstance(top.get("b"), int | float)
+                    and 0 < top["a"] < 100
+                    and abs(top["b"]) < 100
+                ):
+                    raise ValueError(f"top_label needs 0 < a < 100 and |b| < 100, not {top}")
                 policies[name] = PolicyCalibration(
                     Temperatures.from_dict(body.get("temperatures"), path),
                     Abstention.from_dict(abstention) if abstention else None,
                     body.get("report") or {},
+                    TopLabel(float(top["a"]), float(top["b"])) if top is not None else None,
                 )
         except (TypeError, ValueError, AttributeError) as exc:
             raise ModelLoadError(f"{path}: {exc}") from exc

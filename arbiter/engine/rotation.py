@@ -9,10 +9,13 @@ on the 1.5B catalog model. Two remedies are combined, both label-free:
   (``position_prior``; `arbiter calibrate` fits it and catalog models ship it). A read's logit at
   position ``q`` is corrected by ``-log prior[q]`` before anything else; a read is then closer to
   what the model thinks of the option than to where it sits.
-- **More orders where they matter**: the given order is read first; while the margin between the
-  two leading options (corrected logits, averaged over the orders read) is under ``margin``, the
-  next round of ``ROUNDS`` is read on the same prefilled state (the reversed order, then a rotation
-  by half and its reverse). A clear decision costs one read; an unclear one up to four suffixes.
+- **More orders where they matter, from a canonical order**: the first read lists the options in
+  their canonical order (``canonical``: by id, numbers as numbers), never the order the request
+  gave; while the margin between the two leading options (corrected logits, averaged over the
+  orders read) is under ``margin``, the next round of ``rounds`` is read on the same prefilled
+  state (the reversed order, then a rotation by half and its reverse). A clear decision costs one
+  read; an unclear one up to four suffixes. Every order of the same options reads the same orders,
+  so the answer cannot depend on the order the request listed them in.
 
 Everything here depends on one decision's own reads only, never on other traffic or on labels.
 Pure functions: the engine's scoring (``scoring``) reads the orders they ask for, and `arbiter
@@ -27,6 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from arbiter.engine.probabilities import logsumexp
+from arbiter.errors import ArbiterError
+from arbiter.schema import DecisionRequest
+from arbiter.scorer import Outcome
 
 Order = tuple[int, ...]  # variant position q shows the given option order[q]
 # The default margin (corrected logits, the two leaders) under which another round is read, for a
@@ -59,10 +65,21 @@ class Read:
     full_lse: float
 
 
+def _id_key(option_id: str) -> tuple[int, int, str]:
+    return (0, int(option_id), "") if option_id.isdigit() else (1, 0, option_id)
+
+
+def canonical(option_ids: Sequence[str]) -> Order:
+    """The options' canonical order, as an order of the given ones: sorted by id, ids of digits
+    by their number (a score's levels keep their order), whatever order they were given in."""
+    return tuple(sorted(range(len(option_ids)), key=lambda i: _id_key(option_ids[i])))
+
+
 @dataclass(frozen=True)
 class ReadPolicy:
-    """How a decision is read: adaptively (``margin``, ``max_reads``) or in its given order only,
-    with the position prior of each option count (log-probabilities, ``prior[n][q]``)."""
+    """How a decision is read: adaptively from its canonical order (``margin``, ``max_reads``) or
+    in its given order only, with the position prior of each option count (log-probabilities,
+    ``prior[n][q]``)."""
 
     adaptive: bool = True
     margin: float = DEFAULT_MARGIN
@@ -136,3 +153,37 @@ def cyclic_orders(n: int) -> list[Order]:
     """The ``n`` cyclic rotations of the given order (what ``fit_prior`` needs per item)."""
     identity = tuple(range(n))
     return [identity[s:] + identity[:s] for s in range(n)]
+
+
+def canonical_requests(
+    decisions: Sequence[DecisionRequest], policy: ReadPolicy
+) -> list[DecisionRequest]:
+    """Each decision read adaptively listed in its canonical order (the others as given)."""
+    if not policy.adaptive:
+        return list(decisions)
+    out = []
+    for request in decisions:
+        if request.order_samples is not None:
+            out.append(request)
+            continue
+        order = canonical([o.id for o in request.options])
+        out.append(request.model_copy(update={"options": [request.options[i] for i in order]}))
+    return out
+
+
+def as_given(request: DecisionRequest, outcome: Outcome) -> Outcome:
+    """A result read in another order of ``request``'s options, in the request's own order."""
+    if isinstance(outcome, ArbiterError):
+        return outcome
+    ids = [o.id for o in request.options]
+    if outcome.option_ids == ids:
+        return outcome
+    at = {oid: i for i, oid in enumerate(outcome.option_ids)}
+    pick = [at[oid] for oid in ids]
+    return outcome.model_copy(
+        update={
+            "option_ids": ids,
+            "probabilities": [outcome.probabilities[i] for i in pick],
+            "option_logits": [outcome.option_logits[i] for i in pick],
+        }
+    )

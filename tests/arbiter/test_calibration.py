@@ -13,7 +13,7 @@ import pytest
 from arbiter.engine import Engine
 from arbiter.engine import calibration as cal
 from arbiter.engine.abstention import Abstention
-from arbiter.engine.rotation import Read, ReadPolicy, rounds
+from arbiter.engine.rotation import Read, ReadPolicy, canonical, rounds
 from arbiter.errors import InvalidDecision, ModelLoadError
 from arbiter.schema import DecisionResult
 from arbiter.settings import EngineSettings
@@ -142,9 +142,9 @@ def test_a_server_error_budget_needs_abstention_scores(engine: Engine) -> None:
 
 def test_adaptive_reads_are_the_single_reads_of_each_order(engine: Engine) -> None:
     """On the real model, uncalibrated: an unclear decision read adaptively is exactly the mean
-    of its orders read alone (the same prefix, each suffix on its own), says how many it read and
-    counts their tokens; with 4 options the reversed request reads the same orders, so it gets
-    the same logits by option id."""
+    of its canonical order's rounds read alone (the same prefix, each suffix on its own), says
+    how many it read and counts their tokens; any other order of its options reads the same
+    orders, so it gets the same logits by option id."""
     options = [*OPTIONS3, ("other", "Something else")]
     request = decision("a1", options=options)
     settings = engine.settings.model_copy(
@@ -154,28 +154,30 @@ def test_adaptive_reads_are_the_single_reads_of_each_order(engine: Engine) -> No
     try:
         assert adaptive.calibration is None
         got = _ok(adaptive.score([request])[0])
+        assert got.option_ids == [o for o, _ in options]  # in the request's order
+        start = canonical([o for o, _ in options])
+        assert start == (0, 1, 3, 2)  # access, billing, other, ship
         reads = []
         for round_ in rounds(4):
             for order in round_:
-                variant = request.model_copy(
-                    update={"options": [request.options[i] for i in order], "order_samples": 1}
-                )
-                reads.append(
-                    Read(order, np.array(_ok(adaptive.score([variant])[0]).option_logits), 0.0)
-                )
+                given = [request.options[start[i]] for i in order]
+                variant = request.model_copy(update={"options": given, "order_samples": 1})
+                logits = _ok(adaptive.score([variant])[0]).option_logits
+                reads.append(Read(order, np.array(logits), 0.0))
+        combined = ReadPolicy().combine(reads)[0]  # in the canonical order
+        by_id = {options[start[i]][0]: float(combined[i]) for i in range(4)}
         assert got.orders_read == 4
-        assert got.option_logits == pytest.approx(ReadPolicy().combine(reads)[0].tolist(), abs=1e-9)
+        assert got.option_logits == pytest.approx([by_id[o] for o in got.option_ids], abs=1e-9)
         alone = _ok(adaptive.score([request.model_copy(update={"order_samples": 1})])[0])
         suffix = alone.prompt.input_tokens - alone.prompt.prefix_tokens
         assert got.prompt.input_tokens == pytest.approx(
             alone.prompt.input_tokens + 3 * suffix, abs=6
         )
-        back = _ok(
-            adaptive.score([request.model_copy(update={"options": request.options[::-1]})])[0]
-        )
-        by_id = dict(zip(back.option_ids, back.option_logits, strict=True))
-        assert [by_id[i] for i in got.option_ids] == pytest.approx(got.option_logits, abs=1e-9)
-        assert back.choice == got.choice
+        for other in (request.options[::-1], [request.options[i] for i in (2, 0, 3, 1)]):
+            back = _ok(adaptive.score([request.model_copy(update={"options": other})])[0])
+            again = dict(zip(back.option_ids, back.option_logits, strict=True))
+            assert [again[i] for i in got.option_ids] == pytest.approx(got.option_logits, abs=1e-9)
+            assert back.choice == got.choice
     finally:
         adaptive.close()
 

@@ -71,8 +71,11 @@ def _reads_records(count: int, seed: int, temperature: float = 2.0) -> list[dict
         n = (2, 3, 4)[i % 3]
         content = rng.normal(0, 3.0, n)
         label = int(rng.choice(n, p=softmax(content, temperature)))
+        ids = [
+            f"o{(7 * j) % n}{j}" for j in range(n)
+        ]  # a canonical order that is not the given one
         reads = {}
-        for order in orders_for(n):
+        for order in orders_for(ids):
             z = content[list(order)] + bias[n]
             reads[key(order)] = {"logits": z.tolist(), "mass": 0.9}
         records.append(
@@ -80,6 +83,7 @@ def _reads_records(count: int, seed: int, temperature: float = 2.0) -> list[dict
                 "id": f"i{i}",
                 "file": "f.jsonl",
                 "n": n,
+                "option_ids": ids,
                 "reads": reads,
                 "label_index": label,
                 "question_type": "choice",
@@ -96,9 +100,7 @@ def _reads_records(count: int, seed: int, temperature: float = 2.0) -> list[dict
 
 def test_calibrate_reads_fits_the_prior_the_margin_temperatures_and_thresholds() -> None:
     records = _reads_records(1200, seed=4)
-    cal, report, curves = fitting.calibrate_reads(
-        records, holdout_split="heldout", target_flip_rate=0.05
-    )
+    cal, report, curves = fitting.calibrate_reads(records, holdout_split="heldout")
     assert (report["fit_items"], report["held_out_items"]) == (600, 600)
     # The prior: position 0 is e^2.5 times as likely as any other, whatever the option.
     for n, prior in cal.position_prior.items():
