@@ -41,18 +41,24 @@ def preparer_for(view: Prompts, n_ctx: int) -> Preparer:
 
 
 def describe(
-    view: Prompts, chunk: Sequence[tuple[int, str]], preparer: Preparer | None = None
+    view: Prompts,
+    chunk: Sequence[tuple[int, str]],
+    preparer: Preparer | None = None,
+    adaptive: bool = True,
 ) -> list[dict[str, Any]]:
     """One record per line of a chunk: the decision's prompt, or the error the engine would give
-    (``preparer``: the engine's own checks, for the default context when None)."""
+    (``preparer``: the engine's own checks, for the default context when None). A decision read
+    adaptively (``adaptive``, and no ``order_samples``) shows its first read: its options in their
+    canonical order (``rotation``)."""
     from arbiter.engine.preparing import decision_error
+    from arbiter.engine.rotation import ReadPolicy, canonical_requests
 
     preparer = preparer or preparer_for(view, EngineSettings.model_fields["n_ctx"].default)
     records: list[dict[str, Any]] = []
     built: list[tuple[dict[str, Any], DecisionRequest, Any]] = []
     for number, line in chunk:
         try:
-            request = parse_decision_line(line)
+            request = canonical_requests([parse_decision_line(line)], ReadPolicy(adaptive))[0]
             if len(request.options) > MAX_OPTIONS:
                 raise TooManyOptions(
                     f"{len(request.options)} options given; at most {MAX_OPTIONS} options are "
@@ -137,7 +143,9 @@ def cmd_prompt(args: argparse.Namespace, out: TextIO | None = None) -> int:
         lines = list(numbered_lines(Path(args.file)))
         failures = 0
         for start in range(0, len(lines), args.chunk):
-            for record in describe(view, lines[start : start + args.chunk], preparer):
+            chunk = lines[start : start + args.chunk]
+            adaptive = settings.order_policy == "adaptive"
+            for record in describe(view, chunk, preparer, adaptive):
                 failures += "error" in record
                 if args.json:
                     out.write(json.dumps(record, ensure_ascii=False) + "\n")

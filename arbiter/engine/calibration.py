@@ -277,6 +277,7 @@ def describe(calibration: Calibration | None, policy: str) -> dict[str, Any]:
         "order_policy": policy,
         "margin": calibration.margin,
         "position_prior": sorted(calibration.position_prior),
+        "top_label": calibration.policy(policy).top_label is not None,
         "abstention": None
         if fitted is None
         else {

@@ -131,7 +131,7 @@ def printed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict
         def __missing__(self, name: str) -> dict[str, Any]:
             llama.chat_template = template_text(name)
             view = open_prompts(llama, settings, BUILTIN)
-            (record,) = describe(view, [(1, json.dumps(DECISION))])
+            (record,) = describe(view, [(1, json.dumps(DECISION))], adaptive=False)
             record["layout"] = view.layout
             record["content"] = view.render(view_request(DECISION)).text
             record["bos"], record["eos"] = llama.piece_text(llama.bos), llama.piece_text(llama.eos)

@@ -10,6 +10,7 @@ import pytest
 
 from arbiter.cli import main
 from arbiter.engine import Engine
+from arbiter.engine.rotation import ReadPolicy, canonical_requests
 from arbiter.lines import parse_decision_line
 from arbiter.schema import DecisionResult
 from arbiter.show_prompt import cmd_prompt
@@ -78,7 +79,9 @@ def test_the_text_form_names_the_counts_and_prints_the_prompt(
         file=str(path), model=engine.resolved.path, chunk=64, json=False, profile=None
     )
     assert cmd_prompt(args, out) == 0
-    request = parse_decision_line(path.read_text())
+    # What it prints is the first read: the options in their canonical order, read once.
+    given = parse_decision_line(path.read_text())
+    request = canonical_requests([given], ReadPolicy())[0].model_copy(update={"order_samples": 1})
     result = engine.score([request])[0]
     assert isinstance(result, DecisionResult)
     printed = out.getvalue()
