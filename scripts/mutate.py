@@ -724,6 +724,16 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "integer-open-side-capped",
+        "arbiter/engine/int_range.py",
+        "    return 10 ** max(MAX_DIGITS, len(str(abs(bound)))) - 1",
+        "    return 10 ** max(MAX_DIGITS + 4, len(str(abs(bound)))) - 1",
+        (
+            "tests/arbiter/test_json_schema.py::"
+            "test_an_integer_bound_open_on_one_side_stops_at_sixteen_digits",
+        ),
+    ),
+    Mutation(
         "openai-routes-answer-400",
         "adapter/middleware.py",
         "    status = 400 if openai and error.status == 422 else error.status",
