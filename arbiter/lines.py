@@ -6,6 +6,7 @@ and the same file posted to a SageMaker endpoint give the same records.
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,12 +23,27 @@ from arbiter.scorer import Scorer
 log = get_logger("arbiter.lines")
 
 
-def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """A JSON Lines file's non-blank lines with their 1-based numbers."""
-    with path.open(encoding="utf-8") as handle:
+def numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """A JSON Lines file's non-blank lines with their 1-based numbers, as bytes split at ``\n``
+    (as a job's or an HTTP body's lines are read): a line that is not UTF-8 is decoded where it is
+    parsed and becomes its own ``invalid_json`` record, where reading the file as text stopped the
+    whole command at that line with a traceback (issue 35)."""
+    with path.open("rb") as handle:
         for number, line in enumerate(handle, start=1):
             if line.strip():
                 yield number, line
+
+
+def chunk_size(text: str) -> int:
+    """``--chunk N``: how many lines are grouped into one engine call; a positive count (``0``
+    raised a traceback, ``-1`` printed nothing and exited 0)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of lines, not {text!r}")
+    return value
 
 
 def validation_error(exc: ValidationError, prefix: str | None = None) -> InvalidDecision:

@@ -734,6 +734,25 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "jsonl-file-read-as-bytes",
+        "arbiter/lines.py",
+        '    with path.open("rb") as handle:',
+        '    with path.open(encoding="utf-8") as handle:',
+        (
+            "tests/arbiter/test_show_prompt.py::"
+            "test_a_line_that_is_not_utf8_is_its_error_and_the_others_print",
+            "tests/arbiter/test_cli.py::"
+            "test_decide_answers_a_line_that_is_not_utf8_with_its_error_and_keeps_going",
+        ),
+    ),
+    Mutation(
+        "chunk-positive",
+        "arbiter/lines.py",
+        "    if value < 1:\n",
+        "    if value < -1:\n",
+        ("tests/arbiter/test_show_prompt.py::test_chunk_must_be_a_positive_count",),
+    ),
+    Mutation(
         "openai-routes-answer-400",
         "adapter/middleware.py",
         "    status = 400 if openai and error.status == 422 else error.status",
