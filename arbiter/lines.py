@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -46,10 +47,22 @@ def chunk_size(text: str) -> int:
     return value
 
 
+# A union member's tag in an error's location (``function-after[unicode_text(), str]``,
+# ``list[TextPart]``): pydantic's, not a field of the request.
+_UNION_TAG = re.compile(r"^[\w-]+\[.*\]$")
+
+
 def validation_error(exc: ValidationError, prefix: str | None = None) -> InvalidDecision:
-    """The first pydantic error as a typed error naming its field (``options.2.id``)."""
-    first = exc.errors()[0]
-    loc = ".".join(str(part) for part in first["loc"])
+    """The pydantic error as a typed error naming its field (``options.2.id``): the first one,
+    or, where a union tried its members, the deepest (the member the input has the shape of: a
+    list of content parts says which part, not that it is not a string), with the members'
+    tags left out of the field's name (issue 35)."""
+    errors = exc.errors()
+    first = max(errors, key=lambda error: len(error["loc"]))
+    if not any(isinstance(part, str) and _UNION_TAG.match(part) for part in first["loc"]):
+        first = errors[0]
+    parts = [p for p in first["loc"] if not (isinstance(p, str) and _UNION_TAG.match(p))]
+    loc = ".".join(str(part) for part in parts)
     param = f"{prefix}.{loc}" if prefix and loc else (prefix or loc or None)
     message = first["msg"]
     if param:

@@ -753,6 +753,26 @@ MUTATIONS = (
         ("tests/arbiter/test_show_prompt.py::test_chunk_must_be_a_positive_count",),
     ),
     Mutation(
+        "profile-probed-past-two",
+        "arbiter/profiles.py",
+        "    return [(n, False) for n in sorted({2, min(3, most), most})]",
+        "    return [(2, False)]",
+        (
+            "tests/arbiter/test_profiles.py::"
+            "test_a_bad_profile_is_refused_with_one_line_that_names_it[fails past two options]",
+        ),
+    ),
+    Mutation(
+        "union-tags-out-of-param",
+        "arbiter/lines.py",
+        "    parts = [p for p in first[\"loc\"] if not (isinstance(p, str) and _UNION_TAG.match(p))]",
+        "    parts = list(first[\"loc\"])",
+        (
+            "tests/adapter/test_openai_conformance.py::"
+            "test_a_bad_content_part_names_the_part_not_the_unions_member",
+        ),
+    ),
+    Mutation(
         "openai-routes-answer-400",
         "adapter/middleware.py",
         "    status = 400 if openai and error.status == 422 else error.status",
