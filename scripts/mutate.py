@@ -773,6 +773,16 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "template-values-are-text",
+        "arbiter/prompt.py",
+        "        if not _MARKUP.search(value) or (key is not None and value in self.compared.get(key, ())):",
+        "        if True:",
+        (
+            "tests/arbiter/test_engine.py::"
+            "test_a_name_or_template_keyword_cannot_inject_control_tokens",
+        ),
+    ),
+    Mutation(
         "openai-routes-answer-400",
         "adapter/middleware.py",
         "    status = 400 if openai and error.status == 422 else error.status",
