@@ -726,8 +726,8 @@ MUTATIONS = (
     Mutation(
         "integer-open-side-capped",
         "arbiter/engine/int_range.py",
-        "    return 10 ** max(MAX_DIGITS, len(str(abs(bound)))) - 1",
-        "    return 10 ** max(MAX_DIGITS + 4, len(str(abs(bound)))) - 1",
+        "    return int(10 ** max(MAX_DIGITS, len(str(abs(bound))))) - 1",
+        "    return int(10 ** max(MAX_DIGITS + 4, len(str(abs(bound))))) - 1",
         (
             "tests/arbiter/test_json_schema.py::"
             "test_an_integer_bound_open_on_one_side_stops_at_sixteen_digits",
@@ -780,6 +780,48 @@ MUTATIONS = (
         (
             "tests/arbiter/test_engine.py::"
             "test_a_name_or_template_keyword_cannot_inject_control_tokens",
+        ),
+    ),
+    Mutation(
+        "labels-as-the-model-writes-them",
+        "arbiter/engine/labels.py",
+        "            lambda text: llama.continued(text, special=False).tolist(),",
+        "            lambda text: llama.tokenize(text, special=False).tolist(),",
+        (
+            "tests/arbiter/test_vocabularies.py::"
+            "test_every_vocabulary_whose_letters_exist_loads_its_labels",
+        ),
+    ),
+    Mutation(
+        "pieces-without-a-spurious-prefix",
+        "arbiter/engine/prompting.py",
+        "        return self.llama.tokenize(text, special=False, after=int(head[-1]) if len(head) else None)",
+        "        return self.llama.tokenize(text, special=False)",
+        (
+            "tests/arbiter/test_vocabularies.py::"
+            "test_arbiter_prompt_on_a_sentencepiece_vocabulary_tokenizes_as_the_whole_string",
+        ),
+    ),
+    Mutation(
+        "spaces-go-with-the-callers-text",
+        "arbiter/prompt.py",
+        "        segments.append((spaces + texts[index], False))",
+        "        segments += [(spaces, True)] if spaces else []\n        segments.append((texts[index], False))",
+        (
+            "tests/arbiter/test_vocabularies.py::"
+            "test_chat_segments_tokenize_as_the_whole_string_on_a_sentencepiece_model",
+        ),
+    ),
+    Mutation(
+        "answer-read-before-its-space",
+        "arbiter/prompt.py",
+        '    return prompt_end[:-1] if prompt_end.endswith(" ") else prompt_end',
+        "    return prompt_end",
+        (
+            "tests/arbiter/test_templates.py::"
+            "test_a_turn_written_role_space_is_read_before_the_space",
+            "tests/arbiter/test_templates.py::"
+            "test_an_answer_cue_that_ends_in_a_space_is_read_before_it",
         ),
     ),
     Mutation(

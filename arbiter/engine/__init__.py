@@ -200,11 +200,17 @@ class Engine:
         """Tokens of a rendered chat prompt given as (text, is_template) pieces, in order.
 
         Template text is tokenized with special-token parsing; caller text without it, so a
-        message can never inject a control token. BOS is added if the model wants one and the
-        template did not write it.
+        message can never inject a control token. Each piece after the first is tokenized where
+        it follows the one before (``Llama.tokenize``'s ``after``: no space prefix of its own).
+        BOS is added if the model wants one and the template did not write it.
         """
         llama = self.llama
-        parts = [llama.tokenize(text, special=special) for text, special in segments if text]
+        parts: list[np.ndarray] = []
+        after: int | None = None
+        for text, special in segments:
+            if text:
+                parts.append(llama.tokenize(text, special=special, after=after))
+                after = int(parts[-1][-1]) if len(parts[-1]) else after
         tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
         if llama.add_bos and (len(tokens) == 0 or tokens[0] != llama.bos):
             tokens = np.concatenate([np.array([llama.bos], dtype=np.int32), tokens])

@@ -80,7 +80,7 @@ def _naturals(low: int, high: int) -> list[Part]:
 def _open_end(bound: int) -> int:
     """The largest magnitude an open side reaches from ``bound``: ``MAX_DIGITS`` digits, or as
     many as the bound itself has."""
-    return 10 ** max(MAX_DIGITS, len(str(abs(bound)))) - 1
+    return int(10 ** max(MAX_DIGITS, len(str(abs(bound))))) - 1
 
 
 def alternatives(low: int | None, high: int | None) -> Alternatives:
