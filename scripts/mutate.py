@@ -825,6 +825,20 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "think-separator",
+        "arbiter/answer_position.py",
+        "    if NEWLINE_THINK_CLOSED.search(tail + found.text):",
+        "    if False:",
+        (EVERY + ANSWERS + "[Qwen-QwQ-32B]",),
+    ),
+    Mutation(
+        "reasoning-opened-by-the-model",
+        "arbiter/answer_position.py",
+        "        opened = _opened_by_the_model(template, tail, with_reasoning)",
+        "        opened = None",
+        (EVERY + ANSWERS + "[LFM2.5-8B-A1B]",),
+    ),
+    Mutation(
         "openai-routes-answer-400",
         "adapter/middleware.py",
         "    status = 400 if openai and error.status == 422 else error.status",

@@ -42,14 +42,18 @@ GPT_OSS_CLOSED = (
 FAMILIES: dict[str, tuple[str, str, str]] = {
     "Qwen-Qwen3-0.6B": ("smollm2", "<|im_start|>assistant\n<think>\n\n</think>\n\n", ""),
     "Qwen3.5-4B": ("smollm2", "<|im_start|>assistant\n<think>\n\n</think>\n\n", ""),
-    "Qwen-QwQ-32B": ("smollm2", "<|im_start|>assistant\n<think>\n</think>", ""),
+    "Qwen-QwQ-32B": ("smollm2", "<|im_start|>assistant\n<think>\n</think>\n\n", "\n\n"),
     "Qwen-Qwen2.5-7B-Instruct": ("smollm2", "<|im_start|>assistant\n", ""),
     "deepseek-ai-DeepSeek-R1-Distill-Llama-8B": (
         "smollm2",
         "<｜Assistant｜><think>\n\n</think>\n\n",
         "\n</think>\n\n",
     ),
-    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": ("smollm2", "<｜Assistant｜><think>\n</think>", ""),
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": (
+        "smollm2",
+        "<｜Assistant｜><think>\n</think>\n\n",
+        "\n\n",
+    ),
     "meta-llama-Llama-3.1-8B-Instruct": (
         "smollm2",
         "<|start_header_id|>assistant<|end_header_id|>\n\n",
@@ -74,6 +78,8 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
     ),
 }
 CLOSED_BY_ARBITER = {
+    "Qwen-QwQ-32B": "think-separator",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": "think-separator",
     "deepseek-ai-DeepSeek-R1-Distill-Llama-8B": "think",
     "openai-gpt-oss-120b": "gpt-oss-analysis",
 }
