@@ -697,6 +697,53 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "read-check-relative",
+        "arbiter/engine/read_check.py",
+        "            ratio is None or ratio >= self.min_ratio",
+        "            True",
+        (
+            "tests/arbiter/test_read_check.py::"
+            "test_a_prompt_over_the_floor_but_under_the_models_own_reference_is_refused",
+        ),
+    ),
+    Mutation(
+        "read-check-names-the-case",
+        "arbiter/engine/read_check.py",
+        "    if case and sum(p for _, p in case) > mass:",
+        "    if False:",
+        (
+            "tests/arbiter/test_read_check.py::"
+            "test_a_refusal_names_the_labels_case_when_the_model_writes_them_otherwise",
+        ),
+    ),
+    Mutation(
+        "probes-fit-the-labels",
+        "arbiter/engine/read_check.py",
+        "    if not yes_first and pair[::-1] not in YES_NO_PAIRS:",
+        "    if True:",
+        ("tests/arbiter/test_read_check.py::test_the_probes_fit_the_profiles_labels",),
+    ),
+    Mutation(
+        "package-model-read-check",
+        "infra/package_model.py",
+        "        checked = package_check.check_files(gguf, profile, loras, read_check)",
+        "        checked = None",
+        (
+            "tests/infra/test_package_check.py::"
+            "test_package_model_refuses_a_package_that_cannot_start",
+        ),
+    ),
+    Mutation(
+        "deploy-read-check",
+        "infra/deploy_run.py",
+        "    check_model(plan, log)\n",
+        "",
+        (
+            "tests/infra/test_package_check.py::"
+            "test_deploy_dry_run_refuses_an_archive_that_cannot_start_before_any_call",
+        ),
+    ),
+    Mutation(
         "install-checks-the-sha256",
         "arbiter/model_store.py",
         "    if size != model.bytes or digest.hexdigest() != model.sha256:",

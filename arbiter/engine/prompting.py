@@ -17,9 +17,9 @@ import numpy as np
 from arbiter import prompt as prompts
 from arbiter.engine.labels import Labels
 from arbiter.engine.llama import Llama
-from arbiter.errors import TemplateRefused
+from arbiter.errors import LabelVocabularyError, TemplateRefused
 from arbiter.gguf_info import GGUFError, read_header, token_texts
-from arbiter.profiles import Profile
+from arbiter.profiles import Profile, load_profile
 from arbiter.schema import DecisionRequest
 from arbiter.settings import EngineSettings
 
@@ -196,3 +196,14 @@ def open_prompts(llama: Llama, settings: EngineSettings, profile: Profile) -> Pr
     else:
         layouts = prompts.plain_layouts(profile)
     return Prompts(llama, layouts, Labels.of(llama, profile.spec.labels))
+
+
+def reference_prompts(llama: Llama) -> Prompts | None:
+    """The plain built-in prompt (no chat template, the default profile, letters) on ``llama``'s
+    vocabulary: the read check's reference on the same weights; None when its letters cannot be
+    read in this vocabulary."""
+    profile = load_profile(None)
+    try:
+        return Prompts(llama, prompts.plain_layouts(profile), Labels.of(llama))
+    except LabelVocabularyError:
+        return None
