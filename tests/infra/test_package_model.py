@@ -15,7 +15,6 @@ from arbiter.errors import ManifestMismatch
 from arbiter.models import MANIFEST_NAME, resolve_model, verify
 from infra.package_model import PackageError, package_model, read_archive_manifest
 
-
 OFF = "off"  # a fake GGUF cannot be loaded: the read check has its own tests (below)
 
 
@@ -121,8 +120,10 @@ def test_checksum_mismatch_stops_and_writes_nothing(
     gguf = fake_gguf(tmp_path / "m.gguf")
     out = tmp_path / "model.tar.gz"
     code = cli_main(
-        ["package-model", "--gguf", str(gguf), "--expected-sha256", "0" * 64, "--out", str(out)]
-        + ["--read-check", OFF]
+        [
+            "package-model", "--gguf", str(gguf), "--expected-sha256", "0" * 64,
+            "--out", str(out), "--read-check", OFF,
+        ]  # fmt: skip
     )
     assert code == 2
     err = capsys.readouterr().err
