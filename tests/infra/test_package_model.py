@@ -119,12 +119,11 @@ def test_checksum_mismatch_stops_and_writes_nothing(
 ):
     gguf = fake_gguf(tmp_path / "m.gguf")
     out = tmp_path / "model.tar.gz"
-    code = cli_main(
-        [
-            "package-model", "--gguf", str(gguf), "--expected-sha256", "0" * 64,
-            "--out", str(out), "--read-check", OFF,
-        ]  # fmt: skip
-    )
+    argv = [
+        "package-model", "--gguf", str(gguf), "--expected-sha256", "0" * 64,
+        "--out", str(out), "--read-check", OFF,
+    ]  # fmt: skip
+    code = cli_main(argv)
     assert code == 2
     err = capsys.readouterr().err
     assert "checksum mismatch" in err and "0" * 64 in err
