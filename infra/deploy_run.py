@@ -143,9 +143,7 @@ def check_model(plan: Plan, log: Callable[[str], None]) -> None:
     from arbiter.errors import ModelLoadError
     from infra.package_check import check_archive, describe
 
-    if plan.model_file is None:
-        if plan.config.read_check != "off":
-            log("read check: the archive is already in S3; it is checked where it was packaged")
+    if plan.model_file is None:  # already in S3: checked where it was packaged
         return
     try:
         log(describe(check_archive(plan.model_file, plan.config.read_check)))
