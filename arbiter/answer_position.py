@@ -19,7 +19,12 @@ template itself, never off a family's name:
   (Kimi-K2-Thinking's ``<think></think>``); an answer header or recipient (Solar's
   ``<|content|>``, muse's `` to=user<|message|>``, functionary-v3.2's ``all\\n``).
 - **A block left open** that no assistant turn shows how to close (DeepSeek-R1-Distill-Llama drops
-  the reasoning of past turns): closed the common way (``BLOCKS``).
+  the reasoning of past turns): closed the common way (``BLOCKS``). One the prompt closed at its
+  very end in the newline form (``<think>\n</think>``: QwQ's and R1-Distill-Qwen's fixtures) gets
+  the blank line those families write after it (``THINK_SEPARATOR``).
+- **A block the model opens itself**, known from the template's own assistant turn: it opens a
+  reasoning block right after the generation prompt, and no switch of the template turns it off
+  (LFM2.5-8B-A1B): closed empty in that turn's form (``<think></think>``).
 - **Models that open reasoning themselves** while their template never writes it
   (``SELF_OPENED``): found by their template's own text (MiniMax-M1's and MiMo-VL's system prompts,
   Apriel-1.5's instruction naming ``[BEGIN FINAL RESPONSE]``), closed in their family's form.
@@ -198,6 +203,17 @@ SELF_OPENED = (
 )
 
 
+# The switches a template reads to turn its reasoning on or off: one that reads none of them and
+# whose assistant turn opens a block first is a model that always opens it itself.
+REASONING_SWITCHES = ("enable_thinking", "thinking", "thinking_budget", *OFF_SWITCHES)
+# A think block the prompt wrote in the newline form and closed at its very end (QwQ's and
+# R1-Distill-Qwen's fixtures, ``<think>\n</think>``): those families write a blank line after the
+# close (Qwen3's own closed block is ``<think>\n\n</think>\n\n``), and the answer comes after
+# it, one token later (issue 35: 0.001 read at ``</think>``).
+NEWLINE_THINK_CLOSED = re.compile(r"<think>\n\s*</think>\Z")
+THINK_SEPARATOR = "\n\n"
+
+
 # -- the closure ---------------------------------------------------------------------------------------
 
 
@@ -297,8 +313,30 @@ def closure(
     if block is not None:
         text = found.text + block.closing(tail + found.text)
         return Closure(block.name, text)
+    if NEWLINE_THINK_CLOSED.search(tail + found.text):
+        return Closure(found.block or "think-separator", found.text + THINK_SEPARATOR)
     if not found.text:
+        opened = _opened_by_the_model(template, tail, with_reasoning)
+        if opened is not None:
+            return opened
         for family in SELF_OPENED:
             if family.marker in template:
                 return Closure(family.name, family.closing)
     return found
+
+
+def _opened_by_the_model(template: str, tail: str, turn: str | None) -> Closure | None:
+    """A closed empty block in the turn's own form, where the template's assistant turn opens a
+    reasoning block right after the generation prompt and no switch of the template can turn it
+    off: the model opens it itself (LFM2.5-8B-A1B: ``<think>...</think>`` and the answer; llama.cpp's
+    own chat tests say it always emits ``<think>``)."""
+    if turn is None or turn.count(REASONING) != 1:
+        return None
+    before, after = turn.split(REASONING)
+    opener = before.removeprefix(tail) if before.startswith(tail) else ""
+    reads = template_reads(template).names
+    if not any(opener.strip() == block.opens for block in BLOCKS) or reads & set(
+        REASONING_SWITCHES
+    ):
+        return None
+    return Closure("opened-by-the-model", opener + after)

@@ -8,14 +8,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from arbiter.lines import Line, numbered_lines, score_lines
+from arbiter.lines import Line, chunk_size, numbered_lines, score_lines
 
 if TYPE_CHECKING:
     Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
-def cmd_decide(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_decide(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Score each line of a JSONL file; print one result or error line per input line."""
+    out = out or sys.stdout  # at the call: a default bound at import kept an old stdout
     from tqdm import tqdm
 
     from arbiter.engine import open_engine
@@ -43,6 +44,8 @@ def register(sub: Subcommands) -> None:
     decide = sub.add_parser("decide", help="score a JSONL file of decisions, print JSONL results")
     decide.add_argument("file", help="one decision {id, state, question, options} per line")
     decide.add_argument("--model", type=Path, default=None, help="a .gguf (else ARBITER_MODEL...)")
-    decide.add_argument("--chunk", type=int, default=64, help="decisions scored per engine call")
+    decide.add_argument(
+        "--chunk", type=chunk_size, default=64, help="decisions scored per engine call"
+    )
     decide.add_argument("--quiet", action="store_true", help="no progress bar")
     decide.set_defaults(func=cmd_decide)

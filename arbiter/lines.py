@@ -6,7 +6,9 @@ and the same file posted to a SageMaker endpoint give the same records.
 
 from __future__ import annotations
 
+import argparse
 import math
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,18 +24,45 @@ from arbiter.scorer import Scorer
 log = get_logger("arbiter.lines")
 
 
-def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """A JSON Lines file's non-blank lines with their 1-based numbers."""
-    with path.open(encoding="utf-8") as handle:
+def numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """A JSON Lines file's non-blank lines with their 1-based numbers, as bytes split at ``\n``
+    (as a job's or an HTTP body's lines are read): a line that is not UTF-8 is decoded where it is
+    parsed and becomes its own ``invalid_json`` record, where reading the file as text stopped the
+    whole command at that line with a traceback (issue 35)."""
+    with path.open("rb") as handle:
         for number, line in enumerate(handle, start=1):
             if line.strip():
                 yield number, line
 
 
+def chunk_size(text: str) -> int:
+    """``--chunk N``: how many lines are grouped into one engine call; a positive count (``0``
+    raised a traceback, ``-1`` printed nothing and exited 0)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of lines, not {text!r}")
+    return value
+
+
+# A union member's tag in an error's location (``function-after[unicode_text(), str]``,
+# ``list[TextPart]``): pydantic's, not a field of the request.
+_UNION_TAG = re.compile(r"^[\w-]+\[.*\]$")
+
+
 def validation_error(exc: ValidationError, prefix: str | None = None) -> InvalidDecision:
-    """The first pydantic error as a typed error naming its field (``options.2.id``)."""
-    first = exc.errors()[0]
-    loc = ".".join(str(part) for part in first["loc"])
+    """The pydantic error as a typed error naming its field (``options.2.id``): the first one,
+    or, where a union tried its members, the deepest (the member the input has the shape of: a
+    list of content parts says which part, not that it is not a string), with the members'
+    tags left out of the field's name (issue 35)."""
+    errors = exc.errors()
+    first = max(errors, key=lambda error: len(error["loc"]))
+    if not any(isinstance(part, str) and _UNION_TAG.match(part) for part in first["loc"]):
+        first = errors[0]
+    parts = [p for p in first["loc"] if not (isinstance(p, str) and _UNION_TAG.match(p))]
+    loc = ".".join(str(part) for part in parts)
     param = f"{prefix}.{loc}" if prefix and loc else (prefix or loc or None)
     message = first["msg"]
     if param:

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from arbiter.errors import ModelLoadError
 from arbiter.models import ResolvedModel, verify_attachment
+from arbiter.schema import MAX_OPTIONS
 
 DEFAULT_PROFILE = "arbiter-letters-v1"
 BUILTINS = (DEFAULT_PROFILE,)
@@ -169,23 +170,45 @@ def parse_profile(data: bytes, source: str) -> Profile:
     return profile
 
 
+def _probe_counts(spec: PromptProfile) -> list[tuple[int, bool]]:
+    """The option counts a profile is rendered with at load, with whether they are codes: two,
+    three and the most its labels label (a template that failed only past two options passed the
+    old probe of two, then failed every larger decision with a traceback in the log)."""
+    if spec.labels == "letters":
+        return [(2, False), (3, False), (26, False), (27, True), (MAX_OPTIONS, True)]
+    most = 9 if spec.labels == "digits" else len(spec.labels)
+    return [(n, False) for n in sorted({2, min(3, most), most})]
+
+
 def _probe(profile: Profile, where: str) -> None:
-    """Render a made-up decision once, so a template that cannot render, or one that drops the
-    state, the question or an option, stops start-up instead of a request."""
+    """Render made-up decisions once (each count of ``_probe_counts``), so a template that cannot
+    render, or one that drops the state, the question or an option, stops start-up instead of a
+    request."""
     state, question = "\u0001STATE\u0001", "\u0001QUESTION\u0001"
-    texts = ["\u0001OPTION-A\u0001", "\u0001OPTION-B\u0001"]
     try:
         state_part = profile.state(state)
-        question_part = profile.question(question, texts, ["\u0002L1", "\u0002L2"], False)
     except jinja2.TemplateError as exc:
         raise ModelLoadError(f"{where}: a template does not render: {exc}") from None
     if state_part.count(state) != 1:
         raise ModelLoadError(f"{where}: state must place {{{{ state }}}} exactly once")
-    for needle, what in ((question, "the question"), *((t, "each option's text") for t in texts)):
-        if question_part.count(needle) != 1:
-            raise ModelLoadError(f"{where}: question must place {what} exactly once")
-    if any(label not in question_part for label in ("\u0002L1", "\u0002L2")):
-        raise ModelLoadError(f"{where}: question must show each option's label")
+    for n, codes in _probe_counts(profile.spec):
+        texts = [f"\u0001OPTION-{i}\u0001" for i in range(n)]
+        labels = [f"\u0002L{i}\u0002" for i in range(n)]
+        try:
+            question_part = profile.question(question, texts, labels, codes)
+        except Exception as exc:  # a template error, or one of its own (an index, a type)
+            raise ModelLoadError(
+                f"{where}: the question template does not render {n} options: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+        needles = ((question, "the question"), *((t, "each option's text") for t in texts))
+        for needle, what in needles:
+            if question_part.count(needle) != 1:
+                raise ModelLoadError(
+                    f"{where}: question must place {what} exactly once ({n} options)"
+                )
+        if any(label not in question_part for label in labels):
+            raise ModelLoadError(f"{where}: question must show each option's label ({n} options)")
 
 
 def builtin_bytes(name: str) -> bytes:

@@ -21,6 +21,7 @@ from arbiter.errors import UnsupportedSetting
 MB = 1024 * 1024  # settings in MB are read as MiB
 # The read check's default threshold, set by measurement on the models here (docs/models.md).
 READ_CHECK_MIN_MASS = 0.3
+READ_CHECK_MIN_RATIO = 0.75
 
 
 def cpu_count() -> int:
@@ -136,7 +137,8 @@ class EngineSettings(BaseSettings):
         default="refuse",
         description=(
             "The read check at load: a few built-in decisions are scored and their label mass "
-            "(allowed_mass) reported; under ARBITER_READ_CHECK_MIN_MASS the engine refuses to "
+            "(allowed_mass) reported; under ARBITER_READ_CHECK_MIN_MASS, or under "
+            "ARBITER_READ_CHECK_MIN_RATIO of the plain built-in prompt's, the engine refuses to "
             "start (refuse), serves with a warning (warn), or the check is skipped (off)."
         ),
     )
@@ -145,6 +147,15 @@ class EngineSettings(BaseSettings):
         ge=0,
         le=1,
         description="The least median label mass the read check accepts (measured: docs/models.md).",
+    )
+    read_check_min_ratio: float = Field(
+        default=READ_CHECK_MIN_RATIO,
+        ge=0,
+        le=1,
+        description=(
+            "The least fraction of the plain built-in prompt's label mass on the same weights "
+            "that the served prompt's must reach (measured: docs/models.md)."
+        ),
     )
     prompt_date: date | None = Field(
         default=None,

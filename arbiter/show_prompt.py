@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from arbiter import prompt as prompts
 from arbiter.errors import ArbiterError, ModelLoadError, TooManyOptions
-from arbiter.lines import echo_id, numbered_lines, parse_decision_line
+from arbiter.lines import chunk_size, echo_id, numbered_lines, parse_decision_line
 from arbiter.schema import MAX_OPTIONS, DecisionRequest
 from arbiter.settings import EngineSettings
 
@@ -42,7 +42,7 @@ def preparer_for(view: Prompts, n_ctx: int) -> Preparer:
 
 def describe(
     view: Prompts,
-    chunk: Sequence[tuple[int, str]],
+    chunk: Sequence[tuple[int, str | bytes]],
     preparer: Preparer | None = None,
     adaptive: bool = True,
 ) -> list[dict[str, Any]]:
@@ -94,7 +94,7 @@ def describe(
     return records
 
 
-def _id(line: str) -> Any:
+def _id(line: str | bytes) -> Any:
     try:
         return echo_id(json.loads(line))
     except ValueError:
@@ -163,7 +163,10 @@ def register(sub: Subcommands) -> None:
     command.add_argument("file", help="one decision {id, state, question, options} per line")
     command.add_argument("--model", type=Path, default=None, help="a .gguf (else ARBITER_MODEL...)")
     command.add_argument(
-        "--chunk", type=int, default=64, help="lines grouped by state together (as arbiter decide)"
+        "--chunk",
+        type=chunk_size,
+        default=64,
+        help="lines grouped by state together (as arbiter decide)",
     )
     command.add_argument(
         "--profile", default=None, help="a prompt profile (file or built-in name; else ARBITER_...)"

@@ -24,11 +24,13 @@ def cmd_package_model(args: argparse.Namespace) -> int:
             revision=args.revision,
             profile=Path(args.profile) if args.profile else None,
             loras=[_lora(value) for value in args.lora or []],
+            read_check=args.read_check,
         )
     except PackageError as exc:
         print(f"arbiter package-model: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(package.manifest, indent=2), file=sys.stderr)
+    print(f"arbiter package-model: {package.read_check}", file=sys.stderr)
     print(f"wrote {package.archive} ({package.bytes} bytes)", file=sys.stderr)
     # sha256sum's format, so `sha256sum -c` can check the archive after a copy.
     print(f"{package.sha256}  {package.archive}")
@@ -72,6 +74,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         worker_processes=args.worker_processes,
         endpoint_url=args.endpoint_url,
         poll_s=args.poll,
+        read_check=args.read_check,
     )
     try:
         return deploy(
@@ -107,6 +110,7 @@ def register(sub: Any) -> None:
         metavar="FILE[:SCALE]",
         help="a LoRA adapter (GGUF) to pack and apply at SCALE (default 1); repeatable",
     )
+    _read_check_argument(pkg, "before anything is written")
     pkg.set_defaults(func=cmd_package_model)
 
     dep = sub.add_parser(
@@ -139,4 +143,15 @@ def register(sub: Any) -> None:
     dep.add_argument(
         "--dry-run", action="store_true", help="print every AWS call as JSON lines; call nothing"
     )
+    _read_check_argument(dep, "on the local archive, before any AWS call (--dry-run too)")
     dep.set_defaults(func=cmd_deploy)
+
+
+def _read_check_argument(parser: Any, when: str) -> None:
+    parser.add_argument(
+        "--read-check",
+        choices=["refuse", "warn", "off"],
+        default="refuse",
+        help=f"load the model as it will be served and run the engine's read check {when}: a "
+        "package that would refuse to start is refused here (warn: packed anyway)",
+    )

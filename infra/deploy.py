@@ -94,6 +94,7 @@ class DeployConfig:
     worker_processes: int = 1
     endpoint_url: str | None = None  # moto / LocalStack
     poll_s: int = 15
+    read_check: str = "refuse"  # on a local archive: refuse | warn | off (infra.package_check)
 
 
 @dataclass(frozen=True)

@@ -136,8 +136,24 @@ class Runner:
         )
 
 
+def check_model(plan: Plan, log: Callable[[str], None]) -> None:
+    """The engine's read check on the local archive the plan uploads, as the endpoint will load
+    it (``infra.package_check``): a model that would refuse to start is refused before any call,
+    instead of after a 10-15 minute endpoint deploy. An uploaded archive is not checked here."""
+    from arbiter.errors import ModelLoadError
+    from infra.package_check import check_archive, describe
+
+    if plan.model_file is None:  # already in S3: checked where it was packaged
+        return
+    try:
+        log(describe(check_archive(plan.model_file, plan.config.read_check)))
+    except ModelLoadError as exc:
+        raise DeployError(exc.message) from exc
+
+
 def deploy(config: DeployConfig, *, dry_run: bool, out: TextIO, log: Callable[[str], None]) -> int:
     plan = build_plan(config)
+    check_model(plan, log)
     if dry_run:
         print_plan(plan, out)
         return 0

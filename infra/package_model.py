@@ -36,6 +36,7 @@ from arbiter.gguf_info import read_header
 from arbiter.lora import check_adapter
 from arbiter.models import MANIFEST_NAME, sha256_file
 from arbiter.profiles import parse_profile
+from infra import package_check
 
 GGUF_MAGIC = b"GGUF"
 TOOL_NAME = "arbiter package-model"
@@ -55,6 +56,7 @@ class Package:
     sha256: str  # of the archive itself
     bytes: int
     manifest: dict[str, Any]
+    read_check: str = ""  # what the read check measured, one line
 
 
 class _HashingWriter(io.RawIOBase):
@@ -193,9 +195,12 @@ def package_model(
     revision: str | None = None,
     profile: Path | None = None,
     loras: list[tuple[Path, float]] | None = None,
+    read_check: str = "refuse",
 ) -> Package:
     """Write ``out`` (a new ``.tar.gz``) holding the manifest and ``gguf``, and a prompt profile
-    and LoRA adapters when given (each checked: the profile parses, the adapters fit the GGUF).
+    and LoRA adapters when given (each checked: the profile parses, the adapters fit the GGUF),
+    once the engine's read check passes on them as they will be served (``read_check``: refuse,
+    warn or off; ``infra.package_check``).
 
     Raises :class:`PackageError`, leaving nothing at ``out``, when the GGUF's sha256 is not
     ``expected_sha256``, when ``out`` exists, or when the GGUF changes while it is being packaged.
@@ -207,6 +212,10 @@ def package_model(
     loras = [(Path(path), scale) for path, scale in loras or []]
     profile = Path(profile) if profile is not None else None
     check_attachments(gguf, profile, loras)
+    try:
+        checked = package_check.check_files(gguf, profile, loras, read_check)
+    except ModelLoadError as exc:
+        raise PackageError(f"{exc.message}; nothing was written") from exc
     size = gguf.stat().st_size
     sha256 = sha256_file(gguf)
     if expected_sha256 is not None and sha256 != expected_sha256.lower():
@@ -245,7 +254,13 @@ def package_model(
             raise PackageError(f"{out} already exists; refusing to overwrite it") from exc
     finally:
         partial.unlink(missing_ok=True)
-    return Package(archive=out, sha256=sink.digest.hexdigest(), bytes=sink.size, manifest=manifest)
+    return Package(
+        archive=out,
+        sha256=sink.digest.hexdigest(),
+        bytes=sink.size,
+        manifest=manifest,
+        read_check=package_check.describe(checked),
+    )
 
 
 def read_archive_manifest(archive: Path) -> dict[str, Any]:

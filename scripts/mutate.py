@@ -697,6 +697,53 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "read-check-relative",
+        "arbiter/engine/read_check.py",
+        "            ratio is None or ratio >= self.min_ratio",
+        "            True",
+        (
+            "tests/arbiter/test_read_check.py::"
+            "test_a_prompt_over_the_floor_but_under_the_models_own_reference_is_refused",
+        ),
+    ),
+    Mutation(
+        "read-check-names-the-case",
+        "arbiter/engine/read_check.py",
+        "    if case and sum(p for _, p in case) > mass:",
+        "    if False:",
+        (
+            "tests/arbiter/test_read_check.py::"
+            "test_a_refusal_names_the_labels_case_when_the_model_writes_them_otherwise",
+        ),
+    ),
+    Mutation(
+        "probes-fit-the-labels",
+        "arbiter/engine/read_check.py",
+        "    if not yes_first and pair[::-1] not in YES_NO_PAIRS:",
+        "    if True:",
+        ("tests/arbiter/test_read_check.py::test_the_probes_fit_the_profiles_labels",),
+    ),
+    Mutation(
+        "package-model-read-check",
+        "infra/package_model.py",
+        "        checked = package_check.check_files(gguf, profile, loras, read_check)",
+        "        checked = None",
+        (
+            "tests/infra/test_package_check.py::"
+            "test_package_model_refuses_a_package_that_cannot_start",
+        ),
+    ),
+    Mutation(
+        "deploy-read-check",
+        "infra/deploy_run.py",
+        "    check_model(plan, log)\n",
+        "",
+        (
+            "tests/infra/test_package_check.py::"
+            "test_deploy_dry_run_refuses_an_archive_that_cannot_start_before_any_call",
+        ),
+    ),
+    Mutation(
         "install-checks-the-sha256",
         "arbiter/model_store.py",
         "    if size != model.bytes or digest.hexdigest() != model.sha256:",
@@ -722,6 +769,121 @@ MUTATIONS = (
             "tests/arbiter/test_json_schema.py::"
             "test_integer_bounds_admit_exactly_the_integers_in_range",
         ),
+    ),
+    Mutation(
+        "integer-open-side-capped",
+        "arbiter/engine/int_range.py",
+        "    return int(10 ** max(MAX_DIGITS, len(str(abs(bound))))) - 1",
+        "    return int(10 ** max(MAX_DIGITS + 4, len(str(abs(bound))))) - 1",
+        (
+            "tests/arbiter/test_json_schema.py::"
+            "test_an_integer_bound_open_on_one_side_stops_at_sixteen_digits",
+        ),
+    ),
+    Mutation(
+        "jsonl-file-read-as-bytes",
+        "arbiter/lines.py",
+        '    with path.open("rb") as handle:',
+        '    with path.open(encoding="utf-8") as handle:',
+        (
+            "tests/arbiter/test_show_prompt.py::"
+            "test_a_line_that_is_not_utf8_is_its_error_and_the_others_print",
+            "tests/arbiter/test_cli.py::"
+            "test_decide_answers_a_line_that_is_not_utf8_with_its_error_and_keeps_going",
+        ),
+    ),
+    Mutation(
+        "chunk-positive",
+        "arbiter/lines.py",
+        "    if value < 1:\n",
+        "    if value < -1:\n",
+        ("tests/arbiter/test_show_prompt.py::test_chunk_must_be_a_positive_count",),
+    ),
+    Mutation(
+        "profile-probed-past-two",
+        "arbiter/profiles.py",
+        "    return [(n, False) for n in sorted({2, min(3, most), most})]",
+        "    return [(2, False)]",
+        (
+            "tests/arbiter/test_profiles.py::"
+            "test_a_bad_profile_is_refused_with_one_line_that_names_it[fails past two options]",
+        ),
+    ),
+    Mutation(
+        "union-tags-out-of-param",
+        "arbiter/lines.py",
+        "    parts = [p for p in first[\"loc\"] if not (isinstance(p, str) and _UNION_TAG.match(p))]",
+        "    parts = list(first[\"loc\"])",
+        (
+            "tests/adapter/test_openai_conformance.py::"
+            "test_a_bad_content_part_names_the_part_not_the_unions_member",
+        ),
+    ),
+    Mutation(
+        "template-values-are-text",
+        "arbiter/prompt.py",
+        "        if not _MARKUP.search(value) or (key is not None and value in self.compared.get(key, ())):",
+        "        if True:",
+        (
+            "tests/arbiter/test_engine.py::"
+            "test_a_name_or_template_keyword_cannot_inject_control_tokens",
+        ),
+    ),
+    Mutation(
+        "labels-as-the-model-writes-them",
+        "arbiter/engine/labels.py",
+        "            lambda text: llama.continued(text, special=False).tolist(),",
+        "            lambda text: llama.tokenize(text, special=False).tolist(),",
+        (
+            "tests/arbiter/test_vocabularies.py::"
+            "test_every_vocabulary_whose_letters_exist_loads_its_labels",
+        ),
+    ),
+    Mutation(
+        "pieces-without-a-spurious-prefix",
+        "arbiter/engine/prompting.py",
+        "        return self.llama.tokenize(text, special=False, after=int(head[-1]) if len(head) else None)",
+        "        return self.llama.tokenize(text, special=False)",
+        (
+            "tests/arbiter/test_vocabularies.py::"
+            "test_arbiter_prompt_on_a_sentencepiece_vocabulary_tokenizes_as_the_whole_string",
+        ),
+    ),
+    Mutation(
+        "spaces-go-with-the-callers-text",
+        "arbiter/prompt.py",
+        "        segments.append((spaces + texts[index], False))",
+        "        segments += [(spaces, True)] if spaces else []\n        segments.append((texts[index], False))",
+        (
+            "tests/arbiter/test_vocabularies.py::"
+            "test_chat_segments_tokenize_as_the_whole_string_on_a_sentencepiece_model",
+        ),
+    ),
+    Mutation(
+        "answer-read-before-its-space",
+        "arbiter/prompt.py",
+        '    return prompt_end[:-1] if prompt_end.endswith(" ") else prompt_end',
+        "    return prompt_end",
+        (
+            "tests/arbiter/test_templates.py::"
+            "test_a_turn_written_role_space_is_read_before_the_space",
+            "tests/arbiter/test_templates.py::"
+            "test_an_answer_cue_that_ends_in_a_space_is_read_before_it",
+        ),
+    ),
+    Mutation(
+        "think-separator",
+        "arbiter/answer_position.py",
+        "    if NEWLINE_THINK_CLOSED.search(tail + found.text):",
+        "    if False:",
+        (EVERY + ANSWERS + "[Qwen-QwQ-32B]",),
+    ),
+    Mutation(
+        "reasoning-opened-by-the-model",
+        "arbiter/answer_position.py",
+        "        opened = _opened_by_the_model(template, tail, with_reasoning)",
+        "        opened = None",
+        (EVERY + ANSWERS + "[LFM2.5-8B-A1B]",),
     ),
     Mutation(
         "openai-routes-answer-400",

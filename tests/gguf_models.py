@@ -10,12 +10,17 @@ from pathlib import Path
 import gguf
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
+MORE_TEMPLATES = Path(__file__).parent / "data" / "more-templates"  # outside llama.cpp's 70
 TEMPLATE_KEY = gguf.Keys.Tokenizer.CHAT_TEMPLATE
 
 
 def template_text(name: str) -> str:
-    """A chat template copied from llama.cpp's models/templates (tests/data/templates/README.md)."""
-    return (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+    """A chat template copied from llama.cpp's models/templates (tests/data/templates/README.md),
+    or one of the few outside them (tests/data/more-templates/README.md)."""
+    path = TEMPLATES / f"{name}.jinja"
+    if not path.exists():
+        path = MORE_TEMPLATES / f"{name}.jinja"
+    return path.read_text(encoding="utf-8")
 
 
 def _string(text: str) -> bytes:
@@ -88,5 +93,94 @@ def with_template(source: Path, target: Path, template: str | None) -> Path:
     writer.write_ti_data_to_file()
     for tensor in reader.tensors:
         writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
+    writer.close()
+    return target
+
+
+def sdist_vocabularies() -> dict[str, Path]:
+    """llama.cpp's own test vocabularies (``models/ggml-vocab-*.gguf``: a GGUF each, no weights) in
+    the llama-cpp-python sdist that `make setup` fetched (``arbiter.llama_build.sdist_path``),
+    extracted once beside it; by name (``llama-spm``, ``phi-3``, ...)."""
+    import os
+    import tarfile
+    import tempfile
+
+    from arbiter import llama_build
+
+    sdist = llama_build.sdist_path()
+    target = sdist.parent / f"vocab-{llama_build.LLAMA_CPP_PYTHON_VERSION}"
+    if not target.is_dir():
+        prefix = sdist.name.removesuffix(".tar.gz") + f"/{llama_build.VENDORED_LLAMA_CPP}/models/"
+        work = Path(tempfile.mkdtemp(dir=sdist.parent, prefix=".vocab-"))
+        with tarfile.open(sdist, "r:gz") as tar:
+            for member in tar:
+                name = member.name.removeprefix(prefix)
+                if member.name.startswith(prefix) and "/" not in name and name.endswith(".gguf"):
+                    source = tar.extractfile(member)
+                    assert source is not None
+                    (work / name).write_bytes(source.read())
+        try:
+            os.rename(work, target)  # whole, or not at all; another worker may have won
+        except OSError:
+            for path in work.iterdir():
+                path.unlink()
+            work.rmdir()
+    return {p.stem.removeprefix("ggml-vocab-"): p for p in sorted(target.glob("ggml-vocab-*.gguf"))}
+
+
+def random_weights(vocabulary: Path, target: Path, template: str | None, seed: int = 0) -> Path:
+    """A tiny Llama-architecture model with seeded random weights over ``vocabulary``'s tokenizer
+    (a vocabulary-only GGUF such as llama.cpp's ``ggml-vocab-llama-spm.gguf``), under ``template``:
+    the engine's whole path (load, prefill, branches, readout) on a vocabulary no bundled model
+    has. Its answers mean nothing; the read check is for real weights."""
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(vocabulary))
+    writer = gguf.GGUFWriter(str(target), "llama")
+    for field in reader.fields.values():
+        name = field.name
+        if name.startswith(("GGUF.", "llama.", TEMPLATE_KEY)) or name in {
+            gguf.Keys.General.ARCHITECTURE,
+            gguf.Keys.General.FILE_TYPE,
+        }:
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), value_type, sub_type=sub_type)
+    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    embd, ff, heads, layers = 64, 128, 4, 2
+    writer.add_context_length(4096)
+    writer.add_embedding_length(embd)
+    writer.add_feed_forward_length(ff)
+    writer.add_block_count(layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(heads)
+    writer.add_rope_dimension_count(embd // heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(n_vocab)
+    writer.add_file_type(0)  # all F32
+    if template is not None:
+        writer.add_chat_template(template)
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])).astype(
+            np.float32
+        )
+
+    writer.add_tensor("token_embd.weight", weight(n_vocab, embd))
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(embd, dtype=np.float32))
+        for part in ("q", "k", "v", "output"):
+            writer.add_tensor(f"blk.{i}.attn_{part}.weight", weight(embd, embd))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(embd, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weight(ff, embd))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", weight(ff, embd))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", weight(embd, ff))
+    writer.add_tensor("output_norm.weight", np.ones(embd, dtype=np.float32))
+    writer.add_tensor("output.weight", weight(n_vocab, embd))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
     writer.close()
     return target

@@ -37,7 +37,8 @@ from arbiter.engine.finishing import Finisher
 from arbiter.engine.generation import GenerationRequest, generate
 from arbiter.engine.llama import LLAMA_CPP_BUILD, LLAMA_CPP_PYTHON_VERSION, Llama
 from arbiter.engine.prefix_cache import PrefixCache
-from arbiter.engine.prompting import open_prompts
+from arbiter.engine.probabilities import logsumexp
+from arbiter.engine.prompting import open_prompts, reference_prompts
 from arbiter.engine.rotation import DEFAULT_MARGIN, ReadPolicy
 from arbiter.engine.sampler import Grammar
 from arbiter.engine.sampling import Choice, Generation, OnDelta, SamplingParams, TokenLogprob
@@ -118,15 +119,44 @@ class Engine:
         try:  # the probes read where every decision is read, through the same path
             self.read_check = read_check.run(
                 self.resolved.path.name,
-                self.score,
-                self.labels.max_options,
+                self._probing(settings),
                 settings.read_check,
                 settings.read_check_min_mass,
+                settings.read_check_min_ratio,
             )
         except BaseException:
             self.llama.close()
             raise
         self.cache.clear()  # the probes' state is nobody's
+
+    def _probing(self, settings: EngineSettings) -> read_check.Probing:
+        """The read check's ways to score: the served path, and the plain built-in prompt on the
+        same weights as its reference (none where the served prompt is that one)."""
+        reference: read_check.Score | None = None
+        plain = None
+        if self.prompts.layout.chat or not self.profile.builtin:
+            plain = reference_prompts(self.llama)
+        if plain is not None:
+            scoring = Scoring(
+                self.llama, plain, plain.labels, "reference", self.model_info, self.cost
+            )
+
+            def score_plain(probes: Sequence[DecisionRequest]) -> list[Outcome]:
+                with self._lock:
+                    return scoring.score(probes, self.settings, self.cache)
+
+            reference = score_plain
+        return read_check.Probing(self.score, self.labels.texts(2), reference, self._next_tokens)
+
+    def _next_tokens(self, request: DecisionRequest, k: int = 8) -> list[tuple[str, float]]:
+        """The ``k`` likeliest next tokens where ``request`` is read, with their probabilities
+        (the read check's diagnosis of a failure: one more prefill, at load only)."""
+        tokens = self.prompt_tokens(request)
+        with self.session() as llama:
+            row = llama.last_logits(tokens, 0)
+        probabilities = np.exp(row - logsumexp(row))
+        top = np.argsort(probabilities)[::-1][:k]
+        return [(self.piece(int(t)), float(probabilities[t])) for t in top]
 
     @property
     def n_ctx(self) -> int:
@@ -207,11 +237,17 @@ class Engine:
         """Tokens of a rendered chat prompt given as (text, is_template) pieces, in order.
 
         Template text is tokenized with special-token parsing; caller text without it, so a
-        message can never inject a control token. BOS is added if the model wants one and the
-        template did not write it.
+        message can never inject a control token. Each piece after the first is tokenized where
+        it follows the one before (``Llama.tokenize``'s ``after``: no space prefix of its own).
+        BOS is added if the model wants one and the template did not write it.
         """
         llama = self.llama
-        parts = [llama.tokenize(text, special=special) for text, special in segments if text]
+        parts: list[np.ndarray] = []
+        after: int | None = None
+        for text, special in segments:
+            if text:
+                parts.append(llama.tokenize(text, special=special, after=after))
+                after = int(parts[-1][-1]) if len(parts[-1]) else after
         tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
         if llama.add_bos and (len(tokens) == 0 or tokens[0] != llama.bos):
             tokens = np.concatenate([np.array([llama.bos], dtype=np.int32), tokens])

@@ -6,6 +6,10 @@ alternatives of digit classes (``12`` to ``345``: ``1 [2-9] | [2-9] [0-9] | [1-2
 [0-3] [0-9] | 34 [0-5]``), so every integer in range is written one way (no leading zero, no
 ``-0``) and nothing else is. ``alternatives`` builds the parts once; ``gbnf`` and ``regex`` write
 them as a grammar and as a Python pattern (the tests check the grammar's language through it).
+
+A side left open is capped at ``MAX_DIGITS`` digits, as llama.cpp caps a plain integer
+(``[1-9] [0-9]{0,15}``): ``{m,}`` let one sample run to ``max_tokens`` (invalid JSON) and others
+write 17-digit values (issue 35). A bound with more digits than that keeps its own count.
 """
 
 from __future__ import annotations
@@ -14,8 +18,7 @@ import math
 
 Part = list[tuple[str, str, int]]  # (lowest digit, highest digit, repeats) in order
 Alternatives = list[tuple[str, Part]]  # (sign, digits)
-# "{m,}": any count of digits from m on (an unbounded side).
-UNBOUNDED = -1
+MAX_DIGITS = 16  # an open side's most digits, as llama.cpp's plain integer rule
 
 
 def bounds(schema: dict[str, object]) -> tuple[int | None, int | None]:
@@ -60,36 +63,41 @@ def _same_length(low: str, high: str) -> list[Part]:
     return parts
 
 
-def _naturals(low: int, high: int | None) -> list[Part]:
-    """Non-negative integers from ``low`` (>= 0) to ``high`` (None: no end)."""
+def _naturals(low: int, high: int) -> list[Part]:
+    """Non-negative integers from ``low`` (>= 0) to ``high``."""
     parts: list[Part] = []
     digits = len(str(low))
-    top = high if high is not None else None
-    while top is None or low <= top:
+    while low <= high:
         run_end = 10**digits - 1
-        if top is not None and run_end >= top:
-            parts += _same_length(str(low), str(top))
-            break
-        if top is None and low == 10 ** (digits - 1) and digits > 1:
-            parts.append([("1", "9", 1), ("0", "9", UNBOUNDED - (digits - 1))])
+        if run_end >= high:
+            parts += _same_length(str(low), str(high))
             break
         parts += _same_length(str(low), str(run_end))
         low, digits = run_end + 1, digits + 1
     return parts
 
 
+def _open_end(bound: int) -> int:
+    """The largest magnitude an open side reaches from ``bound``: ``MAX_DIGITS`` digits, or as
+    many as the bound itself has."""
+    return int(10 ** max(MAX_DIGITS, len(str(abs(bound))))) - 1
+
+
 def alternatives(low: int | None, high: int | None) -> Alternatives:
-    """Every integer from ``low`` to ``high`` (None: unbounded), as signed digit sequences."""
+    """Every integer from ``low`` to ``high`` (None: open, up to ``MAX_DIGITS`` digits), as
+    signed digit sequences."""
     if low is not None and high is not None and low > high:
         raise ValueError(f"no integer is at least {low} and at most {high}")
+    if low is None:
+        low = -_open_end(high or 0)
+    if high is None:
+        high = _open_end(low)
     alts: Alternatives = []
-    if low is None or low < 0:
+    if low < 0:
         # Negative numbers: "-" and the naturals from max(1, -high) to -low.
-        end = None if low is None else -low
-        start = 1 if high is None or high >= 0 else -high
-        alts += [("-", part) for part in _naturals(start, end)]
-    if high is None or high >= 0:
-        alts += [("", part) for part in _naturals(max(0, low or 0), high)]
+        alts += [("-", part) for part in _naturals(1 if high >= 0 else -high, -low)]
+    if high >= 0:
+        alts += [("", part) for part in _naturals(max(0, low), high)]
     return alts
 
 
@@ -100,8 +108,6 @@ def gbnf(low: int | None, high: int | None) -> str:
         return f'"{lo}"' if lo == hi else f"[{lo}-{hi}]"
 
     def rep(count: int) -> str:
-        if count <= UNBOUNDED:
-            return "{" + str(UNBOUNDED - count) + ",}"
         return "" if count == 1 else "{" + str(count) + "}"
 
     parts = []
@@ -119,8 +125,6 @@ def regex(low: int | None, high: int | None) -> str:
         return lo if lo == hi else f"[{lo}-{hi}]"
 
     def rep(count: int) -> str:
-        if count <= UNBOUNDED:
-            return "{" + str(UNBOUNDED - count) + ",}"
         return "" if count == 1 else "{" + str(count) + "}"
 
     parts = []

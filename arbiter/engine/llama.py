@@ -33,6 +33,16 @@ LLAMA_CPP_BUILD = {"0.3.36": "ggml-org/llama.cpp@0c1e57098"}.get(
 # SentencePiece and byte-level BPE: every input byte ends up in some token's piece (no normalizer
 # drops or folds characters), so a token never covers more input bytes than its piece holds.
 _BYTE_PRESERVING = {1, 2}  # LLAMA_VOCAB_TYPE_SPM, LLAMA_VOCAB_TYPE_BPE
+# Tokens after which llama.cpp writes a SentencePiece vocabulary's space prefix again (its special
+# tokens cache: control, user-defined and unknown tokens).
+_OPENS_TEXT = (
+    llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
+    | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+    | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+)
+# Put before a piece that continues a prompt and taken off again (``Llama.tokenize``): the first
+# whose own tokens end where the piece's begin.
+_LEADS = ("\n", "\u0001", "~")
 
 # Called with (position in the decoded stream, index in its slice) for each position whose logits
 # were asked for, right after the slice that computed them, while they are readable.
@@ -100,6 +110,10 @@ class Llama:
             )
         template = llama_cpp.llama_model_chat_template(self._model, None)
         self.chat_template: str | None = template.decode("utf-8") if template else None
+        # SentencePiece's add_space_prefix (Llama 2, Mistral v0.1-v0.3, Phi-3, Baichuan, Yi):
+        # "A" is "▁A", written at the start of each text llama.cpp tokenizes.
+        first = self._tokens("a", special=False)
+        self.space_prefix = b"".join(self.piece_bytes(int(t)) for t in first).startswith(b" ")
 
     def open_context(
         self, s: EngineSettings, sequences: int, shape: ContextShape | None = None
@@ -210,13 +224,43 @@ class Llama:
 
     # -- tokens ------------------------------------------------------------------------------------
 
-    def tokenize(self, text: str, *, special: bool) -> np.ndarray:
-        """Tokens of ``text``, in a buffer of this call's own.
+    def tokenize(self, text: str, *, special: bool, after: int | None = None) -> np.ndarray:
+        """Tokens of ``text``, in a buffer of this call's own; ``after``: the token it follows in
+        a prompt (None: it starts one).
 
-        ``llama_tokenize`` releases the GIL: a buffer shared between calls let a concurrent
-        tokenization (chat prompts are tokenized outside the engine lock) overwrite another's
-        tokens, and a decision was scored on the wrong prompt.
+        A vocabulary with a space prefix gets it where llama.cpp writes it in a whole prompt: at
+        the start and after a special token, never where a piece continues text (tokenized apart,
+        each piece had its own ``▁``: 23 tokens for a prompt of 22). ``llama_tokenize`` releases
+        the GIL: a buffer shared between calls let a concurrent tokenization (chat prompts are
+        tokenized outside the engine lock) overwrite another's tokens, and a decision was scored
+        on the wrong prompt.
         """
+        if after is None or self.opens_text(after):
+            return self._tokens(text, special)
+        return self.continued(text, special=special)
+
+    def continued(self, text: str, *, special: bool) -> np.ndarray:
+        """Tokens of ``text`` where it continues a prompt's text (no space prefix of its own):
+        what the model reads, and writes, after other text."""
+        if not self.space_prefix:
+            return self._tokens(text, special)
+        for lead in _LEADS:
+            own = self._tokens(lead, False)
+            both = self._tokens(lead + text, special)
+            if np.array_equal(both[: len(own)], own):
+                return both[len(own) :]
+        return self._tokens(text, special)
+
+    def opens_text(self, token: int) -> bool:
+        """Whether llama.cpp starts a new text after ``token`` (a special token: the space
+        prefix is written again after it)."""
+        if not 0 <= token < self.n_vocab:
+            return True
+        with self._tok_lock:
+            self.check_open()
+            return bool(llama_cpp.llama_vocab_get_attr(self._vocab, token) & _OPENS_TEXT)
+
+    def _tokens(self, text: str, special: bool) -> np.ndarray:
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError as exc:

@@ -17,9 +17,9 @@ import numpy as np
 from arbiter import prompt as prompts
 from arbiter.engine.labels import Labels
 from arbiter.engine.llama import Llama
-from arbiter.errors import TemplateRefused
+from arbiter.errors import LabelVocabularyError, TemplateRefused
 from arbiter.gguf_info import GGUFError, read_header, token_texts
-from arbiter.profiles import Profile
+from arbiter.profiles import Profile, load_profile
 from arbiter.schema import DecisionRequest
 from arbiter.settings import EngineSettings
 
@@ -49,11 +49,15 @@ class Prompts:
         self.layouts = layouts
         self.labels = labels
         self._around: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._tail_after_special: dict[int, np.ndarray] = {}
         for layout in (layouts.letters, layouts.codes):
             head = llama.tokenize(layout.head, special=True)
             if llama.add_bos and (len(head) == 0 or head[0] != llama.bos):
                 head = np.concatenate([np.array([llama.bos], dtype=np.int32), head])
-            self._around[id(layout)] = (head, llama.tokenize(layout.tail, special=True))
+            # The tail follows the caller's text (a space prefix is not written again there).
+            tail = llama.continued(layout.tail, special=True)
+            self._around[id(layout)] = (head, tail)
+            self._tail_after_special[id(layout)] = llama.tokenize(layout.tail, special=True)
 
     @property
     def layout(self) -> prompts.PromptLayout:
@@ -64,8 +68,9 @@ class Prompts:
         codes = n_options > self.labels.max_letters
         return self.layouts.codes if codes else self.layouts.letters
 
-    def content(self, text: str) -> np.ndarray:
-        return self.llama.tokenize(text, special=False)
+    def content(self, text: str, head: np.ndarray) -> np.ndarray:
+        """The caller's part, tokenized without special-token parsing where it follows ``head``."""
+        return self.llama.tokenize(text, special=False, after=int(head[-1]) if len(head) else None)
 
     def render(self, request: DecisionRequest) -> prompts.RenderedContent:
         n_options = len(request.options)
@@ -85,8 +90,13 @@ class Prompts:
         return prompts.full_text(self.render(request))
 
     def tokens(self, rendered: prompts.RenderedContent) -> np.ndarray:
+        """The prompt's tokens: as llama.cpp tokenizes the whole text (a space prefix only at the
+        start and after special tokens), with the caller's part never parsed for them."""
         head, tail = self._around[id(rendered.layout)]
-        return np.concatenate([head, self.content(rendered.text), tail])
+        content = self.content(rendered.text, head)
+        if len(content) and self.llama.opens_text(int(content[-1])):
+            tail = self._tail_after_special[id(rendered.layout)]
+        return np.concatenate([head, content, tail])
 
     def fewest_around(self) -> tuple[int, int]:
         """The fewest template tokens before and after the content in any layout (what a floor
@@ -103,7 +113,7 @@ class Prompts:
         """The tokens every prompt over ``state`` in ``layout`` starts with, as the state
         tokenizes alone."""
         head, _ = self._around[id(layout)]
-        return np.concatenate([head, self.content(prompts.state_prefix(layout, state))])
+        return np.concatenate([head, self.content(prompts.state_prefix(layout, state), head)])
 
     def shared_prefix(
         self, state: str, layout: prompts.PromptLayout, prompt_tokens: Sequence[np.ndarray]
@@ -186,3 +196,14 @@ def open_prompts(llama: Llama, settings: EngineSettings, profile: Profile) -> Pr
     else:
         layouts = prompts.plain_layouts(profile)
     return Prompts(llama, layouts, Labels.of(llama, profile.spec.labels))
+
+
+def reference_prompts(llama: Llama) -> Prompts | None:
+    """The plain built-in prompt (no chat template, the default profile, letters) on ``llama``'s
+    vocabulary: the read check's reference on the same weights; None when its letters cannot be
+    read in this vocabulary."""
+    profile = load_profile(None)
+    try:
+        return Prompts(llama, prompts.plain_layouts(profile), Labels.of(llama))
+    except LabelVocabularyError:
+        return None

@@ -446,6 +446,17 @@ def test_an_assistant_message_may_have_null_content(client: openai.OpenAI) -> No
     assert err.value.response.json()["error"]["param"] == "messages.0"
 
 
+def test_a_bad_content_part_names_the_part_not_the_unions_member(client: openai.OpenAI) -> None:
+    """The param was ``messages.0.content.function-after[unicode_text(), str]`` (issue 35)."""
+    parts: Any = [{"role": "user", "content": [{"type": "text", "text": 5}]}]
+    with pytest.raises(openai.BadRequestError) as err:
+        create(client, max_tokens=2, messages=parts)
+    assert err.value.response.json()["error"]["param"] == "messages.0.content.0.text"
+    with pytest.raises(openai.BadRequestError) as err:
+        create(client, max_tokens=2, messages=[{"role": "user", "content": 5}])
+    assert err.value.response.json()["error"]["param"] == "messages.0.content"
+
+
 def test_message_fields_are_honoured_or_refused_by_name(client: openai.OpenAI) -> None:
     named: Any = [{"role": "user", "content": "Hi", "name": "dana"}]
     assert create(client, max_tokens=2, messages=named).choices

@@ -100,9 +100,9 @@ def test_a_5_mb_state_is_refused_from_its_bytes_without_tokenizing(
     tokenized: list[int] = []
     tokenize = engine.llama.tokenize
 
-    def spy(text: str, *, special: bool) -> np.ndarray:
+    def spy(text: str, *, special: bool, after: int | None = None) -> np.ndarray:
         tokenized.append(len(text))
-        return tokenize(text, special=special)
+        return tokenize(text, special=special, after=after)
 
     monkeypatch.setattr(engine.llama, "tokenize", spy)
     huge = decision("huge", "The printer is on fire. " * (5 * MB // 24))
@@ -123,9 +123,9 @@ def test_a_too_long_prompt_is_tokenized_once_and_names_its_largest_part(
     calls: list[int] = []
     tokenize = small.llama.tokenize
 
-    def spy(text: str, *, special: bool) -> np.ndarray:
+    def spy(text: str, *, special: bool, after: int | None = None) -> np.ndarray:
         calls.append(len(text))
-        return tokenize(text, special=special)
+        return tokenize(text, special=special, after=after)
 
     monkeypatch.setattr(small.llama, "tokenize", spy)
     long_state = decision("long", "word " * 400)
@@ -334,9 +334,9 @@ def test_tokenizing_stops_once_a_request_is_over_its_budget(
     tokenized: list[int] = []
     tokenize = engine.llama.tokenize
 
-    def spy(text: str, *, special: bool) -> np.ndarray:
+    def spy(text: str, *, special: bool, after: int | None = None) -> np.ndarray:
         tokenized.append(1)
-        return tokenize(text, special=special)
+        return tokenize(text, special=special, after=after)
 
     monkeypatch.setattr(engine.llama, "tokenize", spy)
     with pytest.raises(TokenBudgetExceeded, match="at least"):

@@ -76,3 +76,25 @@ def test_python_m_arbiter_is_the_arbiter_command() -> None:
     ).stdout
     for command in ("decide", "serve", "entrypoint", "work", "eval", "bench", "deploy"):
         assert command in out
+
+
+def test_decide_answers_a_line_that_is_not_utf8_with_its_error_and_keeps_going(
+    engine: object, tmp_path: Path, capsys: object
+) -> None:
+    """A Latin-1 line was a UnicodeDecodeError traceback with no output (issue 35)."""
+    import pytest
+
+    from arbiter.cli import main
+    from tests.fakes import decision_body
+
+    assert isinstance(capsys, pytest.CaptureFixture)
+    source = tmp_path / "latin1.jsonl"
+    latin1 = json.dumps(decision_body("caf\u00e9"), ensure_ascii=False).encode("latin-1")
+    good = json.dumps(decision_body("good")).encode()
+    source.write_bytes(latin1 + b"\n" + good + b"\n")
+    model = engine.resolved.path  # type: ignore[attr-defined]
+    assert main(["decide", str(source), "--model", str(model), "--quiet"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [o["line"] for o in out] == [1, 2]
+    assert out[0]["error"]["code"] == "invalid_json" and out[0]["id"] is None
+    assert out[1]["id"] == "good" and "result" in out[1]

@@ -267,3 +267,22 @@ def test_integer_bounds_reach_the_grammar() -> None:
     assert "root ::= ([3-7]) space" in grammar
     pydantic_like = {"type": "integer", "exclusiveMinimum": 0, "maximum": 120}
     assert "[1-9]" in schema_grammar(pydantic_like, "json_schema")
+
+
+@pytest.mark.parametrize(("low", "high"), [(100, None), (None, -100), (None, 5), (-3, None)])
+def test_an_integer_bound_open_on_one_side_stops_at_sixteen_digits(
+    low: int | None, high: int | None
+) -> None:
+    """``minimum: 100`` wrote ``[1-9] [0-9]{2,}``: one sample ran to max_tokens, others were 17
+    digits (issue 35); llama.cpp caps a plain integer at 16 digits, and so does an open side."""
+    import re
+
+    from arbiter.engine import int_range
+
+    language = re.compile(int_range.regex(low, high))
+    sign = "-" if low is None else ""  # the open side
+    assert language.fullmatch(sign + "9" * 16)
+    assert not language.fullmatch(sign + "1" + "0" * 16)
+    assert "," not in int_range.gbnf(low, high)  # no open repeat
+    grammar = schema_grammar({"type": "integer", "minimum": 100}, "json_schema")
+    assert "{15}" in grammar and ",}" not in grammar

@@ -169,6 +169,20 @@ BAD_PROFILES = [
         lambda t: t.replace("{{ question }}", "{{ question.__class__.__mro__ }}"),
         "unsafe",
     ),
+    (
+        "fails past two options",  # it passed the probe of two, then failed each larger decision
+        lambda t: t.replace('["yes", "no"]', '["yes", "no", "maybe"]').replace(
+            "{% endfor %}", "{% endfor %}{% if options | length > 2 %}{{ extra }}{% endif %}"
+        ),
+        "does not render 3 options: UndefinedError: 'extra' is undefined",
+    ),
+    (
+        "fails on codes",
+        lambda t: t.replace('["yes", "no"]', '"letters"').replace(
+            "{% endfor %}", "{% endfor %}{% if codes %}{{ oops }}{% endif %}"
+        ),
+        "does not render 27 options",
+    ),
     ("one label", lambda t: t.replace('["yes", "no"]', '["yes"]'), "2 to 255 labels"),
     ("same labels", lambda t: t.replace('["yes", "no"]', '["yes", "yes"]'), "distinct"),
 ]

@@ -160,3 +160,34 @@ def test_a_profile_file_named_like_a_builtin_reports_its_own_version(
     sha = hashlib.sha256(text.encode()).hexdigest()
     assert builtin["version"] == "arbiter-letters-v1/plain"
     assert own["version"] == f"arbiter-letters-v1@{sha[:12]}/plain"
+
+
+def test_a_line_that_is_not_utf8_is_its_error_and_the_others_print(
+    engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Latin-1 line gave a UnicodeDecodeError traceback and no output at all (issue 35); over
+    HTTP and in a job the same line is one invalid_json record."""
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps(decision_body("ok")).encode()
+    latin1 = json.dumps(decision_body("caf\u00e9"), ensure_ascii=False).encode("latin-1")
+    path.write_bytes(good + b"\n" + latin1 + b"\n" + good.replace(b'"ok"', b'"after"') + b"\n")
+    records = _records(path, engine.resolved.path, capsys)
+    assert [r["line"] for r in records] == [1, 2, 3]
+    assert [r.get("id") for r in records] == ["ok", None, "after"]
+    error = records[1]["error"]
+    assert isinstance(error, dict) and error["code"] == "invalid_json"
+    assert "UTF-8" in error["message"]
+
+
+@pytest.mark.parametrize("command", ["prompt", "decide"])
+@pytest.mark.parametrize("chunk", ["0", "-1", "x"])
+def test_chunk_must_be_a_positive_count(
+    command: str, chunk: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--chunk 0`` was a traceback and ``--chunk -1`` printed nothing and exited 0."""
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps(decision_body("d1")) + "\n")
+    with pytest.raises(SystemExit) as exited:
+        main([command, str(path), f"--chunk={chunk}"])
+    assert exited.value.code == 2
+    assert "--chunk: must be a positive number of lines" in capsys.readouterr().err

@@ -33,7 +33,8 @@ IMAGE = f"123456789012.dkr.ecr.us-east-1.amazonaws.com/arbiter@sha256:{DIGEST}"
 
 @pytest.fixture
 def archive(tmp_path: Path) -> Path:
-    return package_model(fake_gguf(tmp_path / "decider.gguf"), tmp_path / "model.tar.gz").archive
+    fake = fake_gguf(tmp_path / "decider.gguf")
+    return package_model(fake, tmp_path / "model.tar.gz", read_check="off").archive
 
 
 def config(archive: Path, **overrides: Any) -> DeployConfig:
@@ -46,13 +47,14 @@ def config(archive: Path, **overrides: Any) -> DeployConfig:
         "security_groups": ["sg-12345678"],
         "max_in_flight": 3,
         "poll_s": 1,
+        "read_check": "off",  # the fake GGUF cannot load; the check has its own tests (below)
     }
     values.update(overrides)
     return DeployConfig(**values)
 
 
 def dry_run_lines(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[dict[str, Any]]:
-    assert cli_main(["deploy", "--dry-run", *argv]) == 0
+    assert cli_main(["deploy", "--dry-run", "--read-check", "off", *argv]) == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
 
@@ -159,7 +161,8 @@ def test_instance_types_are_real_sagemaker_types():
 def test_mutable_or_foreign_images_are_refused(image: str, archive: Path, capsys):
     code = cli_main(
         [
-            "deploy", "--dry-run", "--stack", "arb", "--bucket", "arb-test-bucket",
+            "deploy", "--dry-run", "--read-check", "off", "--stack", "arb",
+            "--bucket", "arb-test-bucket",
             "--image", image, "--model", str(archive), "--no-workers",
         ]
     )  # fmt: skip
@@ -323,7 +326,7 @@ def test_multipart_upload_on_moto(moto: str, tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(deploy_mod, "PART_BYTES", 5 * 1024 * 1024)  # S3's smallest part
     gguf = tmp_path / "big.gguf"
     gguf.write_bytes(b"GGUF" + os.urandom(11 * 1024 * 1024))  # incompressible: 3 parts
-    archive = package_model(gguf, tmp_path / "model.tar.gz").archive
+    archive = package_model(gguf, tmp_path / "model.tar.gz", read_check="off").archive
     result, log = run_deploy(config(archive, endpoint_url=moto, mode="none"))
     assert any("in 3 parts" in line for line in log)
     c = clients(moto)

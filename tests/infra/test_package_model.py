@@ -15,6 +15,8 @@ from arbiter.errors import ManifestMismatch
 from arbiter.models import MANIFEST_NAME, resolve_model, verify
 from infra.package_model import PackageError, package_model, read_archive_manifest
 
+OFF = "off"  # a fake GGUF cannot be loaded: the read check has its own tests (below)
+
 
 def fake_gguf(path: Path, size: int = 200_000) -> Path:
     """GGUF magic and deterministic bytes: the packaging path never parses the weights."""
@@ -49,6 +51,8 @@ def test_archive_is_accepted_by_the_adapter(tmp_path: Path, capsys: pytest.Captu
             "v1",
             "--out",
             str(out),
+            "--read-check",
+            OFF,
         ]
     )
     assert code == 0
@@ -80,7 +84,7 @@ def test_archive_is_accepted_by_the_adapter(tmp_path: Path, capsys: pytest.Captu
 
 def test_tampered_model_is_refused(tmp_path: Path):
     gguf = fake_gguf(tmp_path / "m.gguf")
-    out = package_model(gguf, tmp_path / "model.tar.gz").archive
+    out = package_model(gguf, tmp_path / "model.tar.gz", read_check=OFF).archive
     model_dir = tmp_path / "model"
     unpack(out, model_dir)
     data = bytearray((model_dir / "m.gguf").read_bytes())
@@ -93,7 +97,7 @@ def test_tampered_model_is_refused(tmp_path: Path):
 def test_tampered_archive_manifest_is_refused(tmp_path: Path):
     """An archive whose manifest was edited (another model's checksum) is refused at start-up."""
     gguf = fake_gguf(tmp_path / "m.gguf")
-    good = package_model(gguf, tmp_path / "good.tar.gz").archive
+    good = package_model(gguf, tmp_path / "good.tar.gz", read_check=OFF).archive
     bad = tmp_path / "bad.tar.gz"
     with tarfile.open(good, "r:gz") as src, tarfile.open(bad, "w:gz") as dst:
         for member in src.getmembers():
@@ -115,9 +119,11 @@ def test_checksum_mismatch_stops_and_writes_nothing(
 ):
     gguf = fake_gguf(tmp_path / "m.gguf")
     out = tmp_path / "model.tar.gz"
-    code = cli_main(
-        ["package-model", "--gguf", str(gguf), "--expected-sha256", "0" * 64, "--out", str(out)]
-    )
+    argv = [
+        "package-model", "--gguf", str(gguf), "--expected-sha256", "0" * 64,
+        "--out", str(out), "--read-check", OFF,
+    ]  # fmt: skip
+    code = cli_main(argv)
     assert code == 2
     err = capsys.readouterr().err
     assert "checksum mismatch" in err and "0" * 64 in err
@@ -129,7 +135,7 @@ def test_refuses_to_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     gguf = fake_gguf(tmp_path / "m.gguf")
     out = tmp_path / "model.tar.gz"
     out.write_bytes(b"precious")
-    code = cli_main(["package-model", "--gguf", str(gguf), "--out", str(out)])
+    code = cli_main(["package-model", "--gguf", str(gguf), "--out", str(out), "--read-check", OFF])
     assert code == 2
     assert "refusing to overwrite" in capsys.readouterr().err
     assert out.read_bytes() == b"precious"
@@ -146,17 +152,17 @@ def test_refuses_to_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_bad_arguments(tmp_path: Path, kwargs: dict[str, str], message: str):
     gguf = fake_gguf(tmp_path / "m.gguf")
     with pytest.raises(PackageError, match=message):
-        package_model(gguf, tmp_path / "model.tar.gz", **kwargs)  # type: ignore[arg-type]
+        package_model(gguf, tmp_path / "model.tar.gz", read_check=OFF, **kwargs)  # type: ignore[arg-type]
 
 
 def test_not_a_gguf_or_wrong_archive_name(tmp_path: Path):
     other = tmp_path / "notes.gguf"
     other.write_bytes(b"hello world")
     with pytest.raises(PackageError, match="not a GGUF"):
-        package_model(other, tmp_path / "model.tar.gz")
+        package_model(other, tmp_path / "model.tar.gz", read_check=OFF)
     gguf = fake_gguf(tmp_path / "m.gguf")
     with pytest.raises(PackageError, match=r"\.tar\.gz"):
-        package_model(gguf, tmp_path / "model.zip")
+        package_model(gguf, tmp_path / "model.zip", read_check=OFF)
 
 
 def test_archive_without_manifest_first_is_not_a_package(tmp_path: Path):
