@@ -40,7 +40,7 @@ from evaluation.policy import Replayed, flip_rate, mean_reads, replay_all
 from evaluation.reads import reads_of
 
 LOG_T_RANGE = (math.log(0.02), math.log(50.0))
-MARGINS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 8.0)
+MARGINS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 8.0, 1000.0)  # 1000: every round
 BUDGETS = (0.01, 0.05, 0.1)
 
 
@@ -97,17 +97,24 @@ def fit_temperatures(
     labels: Sequence[int],
     types: Sequence[str | None],
     min_items: int = 25,
+    reads: Sequence[int] | None = None,
 ) -> Temperatures:
-    """A global temperature; one per question type, per type and bucket, and per bucket of any
-    type, each where at least ``min_items`` items exist."""
+    """A global temperature; one per question type, per type and bucket, per bucket of any type,
+    and (with ``reads``) per number of orders read and per type, bucket and orders read, each
+    where at least ``min_items`` items exist."""
     global_t = fit_temperature(logits, labels)
+    counts = reads if reads is not None else [None] * len(logits)
     groups: dict[tuple[str, str], list[int]] = {}
-    for i, (row, kind) in enumerate(zip(logits, types, strict=True)):
+    for i, (row, kind, k) in enumerate(zip(logits, types, counts, strict=True)):
         b = bucket(len(row))
         if kind is not None:
             groups.setdefault(("type", kind), []).append(i)
             groups.setdefault(("bucket", f"{kind}:{b}"), []).append(i)
+            if k is not None:
+                groups.setdefault(("bucket", f"{kind}:{b}:r{k}"), []).append(i)
         groups.setdefault(("bucket", f"any:{b}"), []).append(i)
+        if k is not None:
+            groups.setdefault(("bucket", f"r{k}"), []).append(i)
     by_type: dict[str, float] = {}
     by_bucket: dict[str, float] = {}
     for (level, name), rows in sorted(groups.items()):
@@ -151,7 +158,7 @@ def scored(
         if rep is None:
             continue
         t = (
-            temperatures.for_decision(_question_type(record), len(rep.logits))
+            temperatures.for_decision(_question_type(record), len(rep.logits), rep.reads)
             if temperatures is not None
             else 1.0
         )
@@ -191,6 +198,7 @@ def measured(rows: Sequence[dict[str, Any]], fitted: Abstention | None = None) -
         else None,
         "brier": summary["brier"],
         "ece": summary["ece"],
+        "ece_floor": metrics.ece_resolution(confidences, correct, draws=200)["floor"],
         "automatable": {str(e): metrics.automatable(confidences, correct, e) for e in BUDGETS},
     }
     if fitted is not None:
@@ -221,35 +229,74 @@ def fit_priors(records: Sequence[dict[str, Any]]) -> dict[int, np.ndarray]:
     return priors
 
 
+def _folds(records: Sequence[dict[str, Any]], k: int = 2) -> list[int]:
+    """A fold per record, by a hash of its file and id (stable, whatever the order)."""
+    import hashlib
+
+    return [
+        int(hashlib.sha256(f"{r.get('file')}/{r['id']}".encode()).hexdigest(), 16) % k
+        for r in records
+    ]
+
+
+def _fitted(
+    rows: Sequence[tuple[dict[str, Any], Replayed]], min_items: int, adaptive: bool
+) -> Temperatures:
+    return fit_temperatures(
+        [p.logits.tolist() for _, p in rows],
+        [r["label_index"] for r, _ in rows],
+        [_question_type(r) for r, _ in rows],
+        min_items,
+        [p.reads for _, p in rows] if adaptive else None,
+    )
+
+
+def cross_validated(
+    records: Sequence[dict[str, Any]], policy: ReadPolicy, min_items: int
+) -> dict[str, Any]:
+    """The policy replayed on ``records``, its temperatures fitted on one half and measured on
+    the other (both ways): NLL and ECE, with and without the top-label map. What a choice made
+    on the fit part can be judged by without looking at the held-out part."""
+    replayed = replay_all(records, policy)
+    kept = [(r, p) for r, p in zip(records, replayed, strict=True) if p is not None]
+    folds = _folds([r for r, _ in kept])
+    out: dict[str, list[float]] = {"nll": [], "ece": [], "ece_top": []}
+    for fold in (0, 1):
+        train = [x for x, f in zip(kept, folds, strict=True) if f != fold]
+        test = [x for x, f in zip(kept, folds, strict=True) if f == fold]
+        if not train or not test:
+            continue
+        temps = _fitted(train, min_items, policy.adaptive)
+        tempered = scored([r for r, _ in train], [p for _, p in train], temps)
+        top = toplabel.fit(
+            [max(row["probabilities"]) for row in tempered],
+            [bool(row["correct"]) for row in tempered],
+        )
+        rows = scored([r for r, _ in test], [p for _, p in test], temps)
+        with_top = scored([r for r, _ in test], [p for _, p in test], temps, top)
+        out["nll"].append(measured(rows)["nll"])
+        out["ece"].append(measured(rows)["ece"])
+        out["ece_top"].append(measured(with_top)["ece"])
+    return {
+        **{k: float(np.mean(v)) if v else None for k, v in out.items()},
+        "mean_reads": mean_reads(replayed),
+    }
+
+
 def choose_margin(
-    records: Sequence[dict[str, Any]], prior: dict[int, np.ndarray], tolerance: float = 0.005
+    records: Sequence[dict[str, Any]],
+    prior: dict[int, np.ndarray],
+    tolerance: float = 0.005,
+    min_items: int = 25,
 ) -> tuple[float, list[dict[str, Any]]]:
     """The cheapest margin that reads about as well as any: per margin on ``MARGINS``, the
-    policy replayed on ``records`` at its own fitted temperature; the smallest margin whose NLL
-    is within ``tolerance`` of the best. Labels pick it, so it is fitted on the fit part only.
-    Returns the margin and the study of every margin tried."""
+    policy replayed on ``records`` and cross-validated (``cross_validated``); the smallest margin
+    whose NLL is within ``tolerance`` of the best. Labels pick it, so it is fitted on the fit part
+    only. Returns the margin and the study of every margin tried."""
     study: list[dict[str, Any]] = []
     for margin in MARGINS:
         policy = ReadPolicy(True, margin, prior=prior)
-        replayed = replay_all(records, policy)
-        kept = [(r, p) for r, p in zip(records, replayed, strict=True) if p is not None]
-        logits = [p.logits.tolist() for _, p in kept]
-        labels = [r["label_index"] for r, _ in kept]
-        t = fit_temperature(logits, labels) if kept else 1.0
-        flips, compared = flip_rate(records, policy)
-        study.append(
-            {
-                "margin": margin,
-                "nll": nll(logits, labels, t) if kept else None,
-                "accuracy": float(
-                    np.mean([np.argmax(z) == y for z, y in zip(logits, labels, strict=True)])
-                )
-                if kept
-                else None,
-                "flip_rate": flips / compared if compared else None,
-                "mean_reads": mean_reads(replayed),
-            }
-        )
+        study.append({"margin": margin, **cross_validated(records, policy, min_items)})
     scored_rows = [row for row in study if row["nll"] is not None]
     if not scored_rows:
         return MARGINS[0], study
@@ -276,7 +323,7 @@ def calibrate_reads(
     prior = fit_priors(fit_rows)
     study: list[dict[str, Any]] = []
     if margin is None:
-        margin, study = choose_margin(fit_rows, prior, tolerance)
+        margin, study = choose_margin(fit_rows, prior, tolerance, min_items)
     raw = ReadPolicy(False)
     before_rows = scored(held, replay_all(held, raw), None)
     flips_before = flip_rate(held, raw)
@@ -309,11 +356,19 @@ def calibrate_reads(
             [r["label_index"] for r, _ in kept],
             [_question_type(r) for r, _ in kept],
             min_items,
+            [p.reads for _, p in kept] if adaptive else None,
         )
         tempered = scored(fit_rows, fit_replayed, temps)
-        top = toplabel.fit(
-            [max(r["probabilities"]) for r in tempered], [bool(r["correct"]) for r in tempered]
-        )
+        check = cross_validated(fit_rows, policy, min_items)
+        top: TopLabel | None = None
+        if (
+            check["ece_top"] is not None
+            and check["ece"] is not None
+            and check["ece_top"] < check["ece"]
+        ):
+            top = toplabel.fit(
+                [max(r["probabilities"]) for r in tempered], [bool(r["correct"]) for r in tempered]
+            )
         fit_scored = scored(fit_rows, fit_replayed, temps, top)
         abstention = Abstention.of(
             [max(r["probabilities"]) for r in fit_scored], [bool(r["correct"]) for r in fit_scored]
@@ -323,7 +378,8 @@ def calibrate_reads(
         flips = flip_rate(held, policy)
         summary = {
             "temperatures": temps.to_dict(),
-            "top_label": top.to_dict(),
+            "top_label": top.to_dict() if top is not None else None,
+            "fit_cross_validated": check,
             "fit": measured(fit_scored),
             "held_out_temperature_only": measured(scored(held, held_replayed, temps)),
             "held_out": {

@@ -114,6 +114,30 @@ def held_to(
     }
 
 
+def ece_resolution(
+    confidences: Sequence[float], correct: Sequence[bool], draws: int = 400, seed: int = 0
+) -> dict[str, float | None]:
+    """What an ECE over this many answers can tell: the ECE a perfectly calibrated model with
+    these very confidences would show (the mean over ``draws`` of ECE with each answer right with
+    its own probability: the estimator's floor at this size, never zero), and a bootstrap 90%
+    interval of the measured ECE. An ECE near its floor is as calibrated as can be measured."""
+    conf = np.asarray(confidences, dtype=np.float64)
+    hit = np.asarray(correct, dtype=bool)
+    if not len(conf):
+        return {"floor": None, "low": None, "high": None}
+    rng = np.random.default_rng(seed)
+    floor = [
+        ece(conf.tolist(), (rng.uniform(size=len(conf)) < conf).tolist()) or 0.0
+        for _ in range(draws)
+    ]
+    boot = []
+    for _ in range(draws):
+        pick = rng.integers(0, len(conf), len(conf))
+        boot.append(ece(conf[pick].tolist(), hit[pick].tolist()) or 0.0)
+    low, high = np.percentile(boot, [5, 95])
+    return {"floor": float(np.mean(floor)), "low": float(low), "high": float(high)}
+
+
 def latency(seconds: Sequence[float]) -> dict[str, float | None]:
     """p50/p95/p99/max in milliseconds (numpy's linear interpolation between order statistics)."""
     if not len(seconds):

@@ -85,7 +85,10 @@ def report(
         "probability_status": first.get("probability_status"),
         "order_samples": order_samples,
         "calibration": calibration,
-        "overall": summarize(records),
+        "overall": {
+            **summarize(records),
+            "ece_resolution": eval_metrics.ece_resolution(*curve(records)),
+        },
         "by_file": _grouped(records, "file"),
         "by_tier": _grouped(records, "tier"),
         "by_family": _grouped(records, "family"),
@@ -111,6 +114,14 @@ def _first_share_reversed(records: Sequence[dict[str, Any]]) -> float | None:
         return None
     last = [int(np.argmax(r["probabilities"])) == len(r["probabilities"]) - 1 for r in scored]
     return sum(last) / len(scored)
+
+
+def _resolution(r: dict[str, Any] | None) -> str:
+    if not r or r.get("floor") is None:
+        return ""
+    return (
+        f" (90% CI {r['low']:.3f}-{r['high']:.3f}; a perfectly calibrated model: {r['floor']:.3f})"
+    )
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -142,7 +153,7 @@ def headline(rep: dict[str, Any]) -> dict[str, str]:
             if order.get("flip_rate") is not None
             else "–"
         ),
-        "ECE (top label, 10 bins)": fmt(o["ece"]),
+        "ECE (top label, 10 bins)": fmt(o["ece"]) + _resolution(o.get("ece_resolution")),
         "Brier": fmt(o["brier"]),
         "automatable at <= 1/5/10% error (best threshold on this set)": " / ".join(
             f"{o['automatable'][str(e)]:.0%}" for e in BUDGETS

@@ -70,9 +70,20 @@ class Temperatures:
     by_type: dict[str, float] = field(default_factory=dict)
     by_bucket: dict[str, float] = field(default_factory=dict)  # "choice:3-4", "any:8+"
 
-    def for_decision(self, question_type: str | None, n_options: int) -> float:
+    def for_decision(self, question_type: str | None, n_options: int, reads: int = 1) -> float:
+        """The most specific temperature fitted: by type, bucket and orders read (``r4``: a
+        decision averaged over four orders is flatter than one read once, and adaptive rotation
+        reads more exactly where the leader is unclear, so each stratum has its own scale), by
+        orders read, by type and bucket, by type, by bucket, else the global one."""
         b = bucket(n_options)
-        for key in (f"{question_type}:{b}", question_type, f"any:{b}"):
+        keys = (
+            f"{question_type}:{b}:r{reads}",
+            f"r{reads}",
+            f"{question_type}:{b}",
+            question_type,
+            f"any:{b}",
+        )
+        for key in keys:
             if key is None:
                 continue
             if key in self.by_bucket:
@@ -133,15 +144,19 @@ class Calibration:
         )
 
     def temperature_for(
-        self, question_type: str | None, n_options: int = 2, policy: str = "adaptive"
+        self,
+        question_type: str | None,
+        n_options: int = 2,
+        policy: str = "adaptive",
+        reads: int = 1,
     ) -> float:
-        return self.policy(policy).temperatures.for_decision(question_type, n_options)
+        return self.policy(policy).temperatures.for_decision(question_type, n_options, reads)
 
     def probabilities(
-        self, logits: list[float], question_type: str | None, policy: str
+        self, logits: list[float], question_type: str | None, policy: str, reads: int = 1
     ) -> tuple[list[float], float]:
         calibration = self.policy(policy)
-        temperature = calibration.temperatures.for_decision(question_type, len(logits))
+        temperature = calibration.temperatures.for_decision(question_type, len(logits), reads)
         probs = softmax(logits, temperature).tolist()
         if calibration.top_label is not None:
             probs = calibration.top_label.apply(probs)

@@ -49,7 +49,7 @@ class Finisher:
         confidence = max(result.probabilities)
         if self.calibration is not None:
             probs, temperature = self.calibration.probabilities(
-                result.option_logits, request.question_type, policy
+                result.option_logits, request.question_type, policy, result.orders_read
             )
             confidence = max(probs)  # what the abstention scores were fitted on
             if request.temperature is None:

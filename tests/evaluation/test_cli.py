@@ -253,3 +253,31 @@ def test_two_profiles_are_compared_on_one_labeled_file(
     # An endpoint serves the profile it was started with: --profile with --url is refused.
     assert main(["eval", str(task), "--url", "http://127.0.0.1:9", "--profile", "x"]) == 2
     assert "applies to the in-process engine" in capsys.readouterr().err
+
+
+def test_two_configurations_side_by_side(tmp_path: Path) -> None:
+    """`--compare ARBITER_...=...`: the same items under a second in-process configuration, both
+    reports written, the headline figures side by side; a setting that is not one is refused."""
+    out = io.StringIO()
+    task = DATA / "labeled-mini.jsonl"
+    args = _args(
+        "eval",
+        str(task),
+        "--out",
+        str(tmp_path),
+        "--quiet",
+        "--compare",
+        "ARBITER_ORDER_POLICY=single,ARBITER_SHIPPED_CALIBRATION=false",
+    )
+    assert cmd_eval(args, out) == 0
+    ours = json.loads((tmp_path / "eval-report.json").read_text())
+    other = json.loads((tmp_path / "compare" / "eval-report.json").read_text())
+    assert ours["order"]["flips"] == 0  # the canonical first order: reversing changes nothing
+    assert ours["overall"]["mean_orders_read"] >= 1
+    assert other["overall"]["mean_orders_read"] == 1
+    assert other["probability_status"] == "raw"
+    printed = out.getvalue()
+    assert "Side by side:" in printed
+    assert "| answer changes when the options are reversed |" in printed
+    bad = _args("eval", str(task), "--compare", "ARBITER_NOT_A_SETTING=1", "--out", str(tmp_path))
+    assert cmd_eval(bad, io.StringIO()) == 2
