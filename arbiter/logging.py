@@ -16,13 +16,20 @@ import structlog
 from structlog.typing import FilteringBoundLogger
 
 
-class _Writer(structlog.WriteLogger):
-    """A log line that cannot be written (the stream closed by whoever started us) is dropped:
-    losing a log line must never stop a request, a drain or a restart."""
+class _Writer:
+    """Writes each line to ``stream``, or to whatever ``sys.stderr`` is at the time (a process
+    that swaps its stderr, a test capturing it, logs where it points now). A log line that cannot
+    be written (the stream closed by whoever started us) is dropped: losing a log line must never
+    stop a request, a drain or a restart."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self._stream = stream
 
     def msg(self, message: str) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            super().msg(message)
+        out = self._stream or sys.stderr
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            out.write(message + "\n")
+            out.flush()
 
     log = debug = info = warn = warning = fatal = failure = err = error = critical = exception = msg
 
@@ -46,7 +53,7 @@ def configure(json: bool | None = None, level: str = "info", stream: TextIO | No
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
         ),
-        logger_factory=lambda *_: _Writer(out),
+        logger_factory=lambda *_: _Writer(stream),
         # Loggers are made at import time (module globals): they must follow a later configure.
         cache_logger_on_first_use=False,
     )

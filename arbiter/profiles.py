@@ -118,6 +118,13 @@ class Profile:
         return self.spec.codes_name or f"{self.spec.name}-codes"
 
     @property
+    def positional_labels(self) -> bool:
+        """Whether the labels only say where an option sits (letters, digits), so an option may
+        be shown under any of them. A profile's own words (``yes``/``no``) mean something next
+        to the question: its options are read in the order given (``rotation``)."""
+        return isinstance(self.spec.labels, str)
+
+    @property
     def builtin(self) -> bool:
         return self.source.startswith("builtin:")
 

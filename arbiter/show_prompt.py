@@ -2,9 +2,10 @@
 count and how much of it is prefilled once for its state, so a user sees what the model saw.
 
 Built by the engine's own prompt object (``engine.prompting.Prompts``) on a vocabulary-only load of
-the same model, grouped by state the way ``arbiter decide`` groups a chunk, so the counts are the
-``prompt.input_tokens`` and ``prompt.prefix_tokens`` a result reports and the sha256 its
-``prompt.sha256``.
+the same model, grouped by state the way ``arbiter decide`` groups a chunk, so the prefix count is
+the ``prompt.prefix_tokens`` a result reports and the sha256 its ``prompt.sha256``. A decision read
+adaptively shows its first read (its options in their canonical order); its result's
+``prompt.input_tokens`` also counts the later orders' suffixes, when it read any.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def cmd_prompt(args: argparse.Namespace, out: TextIO | None = None) -> int:
         failures = 0
         for start in range(0, len(lines), args.chunk):
             chunk = lines[start : start + args.chunk]
-            adaptive = settings.order_policy == "adaptive"
+            adaptive = settings.order_policy == "adaptive" and profile.positional_labels
             for record in describe(view, chunk, preparer, adaptive):
                 failures += "error" in record
                 if args.json:

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import settings as hypothesis_settings
 
 from arbiter.engine import Engine
+from arbiter.logging import configure as configure_logging
 from arbiter.models import bundled_model, smollm2_path
 from arbiter.settings import EngineSettings
 from tests.strategies import SCALE
@@ -23,6 +24,10 @@ os.environ.setdefault("ARBITER_N_THREADS", str(TEST_THREADS))
 # The tests keep the small bundled models: a catalog model installed on this machine (which every
 # command would load by default) is out of their sight, in their processes and those they start.
 os.environ.setdefault("ARBITER_MODEL_STORE", tempfile.mkdtemp(prefix="arbiter-test-store-"))
+
+# Logs go to stderr as every command sends them (arbiter.logging), also from engines a test loads
+# before any command has run: never onto a stdout a test reads as a command's answers.
+configure_logging()
 
 # Generated-input tests: reproducible in `make test` (derandomized, no example database), random
 # and remembered (.hypothesis/) in `make fuzz`, where ARBITER_FUZZ_SCALE multiplies the examples.

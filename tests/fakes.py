@@ -72,9 +72,14 @@ def decision(
     state: Any = STATE,
     question: str = QUESTION,
     options: int | Sequence[tuple[str, str]] | None = None,
+    order_samples: int | None = None,
 ) -> DecisionRequest:
-    """The same decision, validated."""
-    return DecisionRequest.model_validate(decision_body(id, state, question, options or OPTIONS))
+    """The same decision, validated. ``order_samples=1``: read once, in the given order (what a
+    test of the readout compares with a plain prefill), not adaptively from the canonical one."""
+    body = decision_body(id, state, question, options or OPTIONS)
+    if order_samples is not None:
+        body["order_samples"] = order_samples
+    return DecisionRequest.model_validate(body)
 
 
 def decision_line(i: int, state: Any = STATE, question: str = QUESTION) -> str:

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 from tests import ROOT
+from tests.environ import environ_without
 
 pytestmark = pytest.mark.real_model
 
@@ -106,11 +107,7 @@ def _build_wheel(work: Path) -> Path:
 def _isolated_env(venv: Path) -> dict[str, str]:
     """The caller's environment without anything that would point back at the checkout or set the
     engine up differently (ARBITER_*, SageMaker's SM_*, PYTHON*)."""
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(("ARBITER_", "SM_", "PYTHON", "VIRTUAL_ENV"))
-    }
+    env = environ_without("ARBITER_", "SM_", "PYTHON", "VIRTUAL_ENV")
     env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "/usr/bin:/bin")])
     env["VIRTUAL_ENV"] = str(venv)
     return env

@@ -20,12 +20,13 @@ import pytest
 from arbiter.settings import engine_from_environment, from_environment
 from bench.lora_adapter import write_lora
 from tests import EXAMPLES
+from tests.environ import environ_without
 
 pytestmark = pytest.mark.real_model
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ARBITER_", "SM_"))}
+    env = environ_without("ARBITER_", "SM_")
     # A random-weight adapter moves the label mass off the labels: the read check at load would
     # refuse it, and this test is about which settings are read, not about the adapter's quality.
     return {**env, "ARBITER_N_THREADS": "2", "ARBITER_READ_CHECK": "off", **extra}
@@ -98,7 +99,7 @@ def test_sm_llama_cpp_lora_changes_decides_numbers_as_it_changes_serves(
 def test_every_command_reads_the_engines_settings_as_serve_does(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    for name in [k for k in os.environ if k.startswith(("ARBITER_", "SM_"))]:
+    for name in [k for k in os.environ if k not in environ_without("ARBITER_", "SM_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("SM_LLAMA_CPP_CTX_SIZE", "2048")
     monkeypatch.setenv("SM_LLAMA_CPP_LORA", "adapter.gguf")

@@ -288,14 +288,23 @@ class Engine:
             )
         ]
         finisher = Finisher(
-            self.calibration, settings.order_policy, settings.max_error, settings.min_confidence
+            self.calibration,
+            self.order_policy(settings),
+            settings.max_error,
+            settings.min_confidence,
         )
         finished = [finisher.finish(d, o) for d, o in zip(questions, merged, strict=True)]
         return multilabel.merge(decisions, finished, labels_plan)
 
     def calibration_info(self) -> dict[str, object]:
         """The served calibration as clients see it (``calibration.describe``)."""
-        return describe(self.calibration, self.settings.order_policy)
+        return describe(self.calibration, self.order_policy(self.settings))
+
+    def order_policy(self, settings: EngineSettings) -> str:
+        """The read policy served: ``ARBITER_ORDER_POLICY``, except that a profile's own labels
+        mean something next to the question ("yes: it is urgent"), so its options are never
+        shown reordered: read once, in the given order (``Profile.positional_labels``)."""
+        return settings.order_policy if self.profile.positional_labels else "single"
 
     def read_policy(self, settings: EngineSettings) -> ReadPolicy:
         """How decisions are read under ``settings``: adaptive rotation or the given order, with
@@ -305,7 +314,7 @@ class Engine:
         if margin is None:
             margin = calibration.margin if calibration is not None else DEFAULT_MARGIN
         return ReadPolicy(
-            adaptive=settings.order_policy == "adaptive",
+            adaptive=self.order_policy(settings) == "adaptive",
             margin=margin,
             prior=calibration.position_prior if calibration is not None else {},
         )
@@ -388,11 +397,8 @@ def load_calibration(
         calibration.check_model(sha256, resolved.path.name, profile_sha256)
     elif settings.shipped_calibration:
         calibration = shipped(sha256, profile_sha256)
-    log.info(
-        "calibration",
-        source=calibration.source if calibration is not None else None,
-        order_policy=settings.order_policy,
-    )
+    if calibration is not None:  # raw probabilities are the default of any other model
+        log.info("calibration", source=calibration.source, order_policy=settings.order_policy)
     if settings.max_error is not None and (
         calibration is None or calibration.policy(settings.order_policy).abstention is None
     ):

@@ -48,7 +48,7 @@ async def test_an_error_budget_without_abstention_scores_names_the_field(client:
     response = await client.post("/invocations", json={"decision": ticket(max_error=0.05)})
     assert response.status in (400, 422)
     error = (await response.json())["error"]
-    assert error["param"] == "max_error" and error["code"] == "not_calibrated"
+    assert error["param"] == "decision.max_error" and error["code"] == "not_calibrated"
     for bad in (0, 1, -0.1, "x"):
         response = await client.post("/invocations", json={"decision": ticket(max_error=bad)})
         assert response.status in (400, 422)

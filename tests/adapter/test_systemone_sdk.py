@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -30,6 +29,8 @@ from typesafe_sdk import (
     TypeSafeUnprocessableEntityError,
 )
 
+from tests.environ import environ_without
+
 API_KEY = "test-key-123"
 NO_RETRY = RetryPolicy(max_retries=0)
 TICKET = {
@@ -50,7 +51,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`arbiter serve` with the bundled model, an API key, and no queue (a second request is 503)."""
     port = _free_port()
     env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("ARBITER_", "SM_"))},
+        **environ_without("ARBITER_", "SM_"),
         "ARBITER_MODEL_DIR": str(tmp_path_factory.mktemp("no-model-dir")),
         "ARBITER_HOST": "127.0.0.1",
         "ARBITER_PORT": str(port),

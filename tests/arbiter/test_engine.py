@@ -63,8 +63,9 @@ def test_every_label_is_one_token_that_round_trips(engine: Engine) -> None:
 
 
 def test_result_fields_and_probabilities(engine: Engine) -> None:
-    request = decision(options=[("a", "Yes"), ("b", "No"), ("c", "Maybe")])
+    request = decision(options=[("a", "Yes"), ("b", "No"), ("c", "Maybe")], order_samples=1)
     result = _ok(engine.score([request])[0])
+    assert result.orders_read == 1
     assert result.option_ids == ["a", "b", "c"]
     assert math.isclose(sum(result.probabilities), 1.0, abs_tol=1e-9)
     logits = np.array(result.option_logits)
@@ -82,6 +83,14 @@ def test_result_fields_and_probabilities(engine: Engine) -> None:
     assert result.model.architecture == "gemma3"
     assert result.probability_status == "raw"
     assert result.timing.total_s >= result.timing.prefill_s > 0
+    # Read adaptively (the default), the tokens are what the model read: the shared prefix once,
+    # then each order's own question and options.
+    rotated = _ok(engine.score([request.model_copy(update={"order_samples": None})])[0])
+    suffix = len(engine.prompt_tokens(request)) - rotated.prompt.prefix_tokens
+    assert rotated.orders_read >= 1
+    assert (
+        rotated.prompt.input_tokens == rotated.prompt.prefix_tokens + rotated.orders_read * suffix
+    )
 
 
 def test_option_ids_never_enter_the_prompt(engine: Engine) -> None:
@@ -128,15 +137,20 @@ def test_shared_state_agrees_with_decisions_scored_one_by_one(engine: Engine) ->
         ("Customer plan?", [("ent", "Enterprise"), ("free", "Free"), ("pro", "Pro")]),
         ("Sentiment?", [("neg", "Negative"), ("neu", "Neutral"), ("pos", "Positive")]),
     ]
-    requests = [decision(f"q{i}", state, q, o) for i, (q, o) in enumerate(questions)]
-    engine.cache.clear()
-    grouped = [_ok(r) for r in engine.score(requests)]
-    assert grouped[0].prompt.prefix_tokens > 40
-    for request, result in zip(requests, grouped, strict=True):
-        alone = _alone(engine, request)
-        assert np.allclose(result.option_logits, alone, atol=1e-3), (result.option_logits, alone)
-        plain = reference_option_logits(engine, request)
-        assert np.allclose(result.option_logits, plain, atol=KERNEL_TOLERANCE)
+    for order_samples in (1, None):  # one read in the given order; adaptive rotation
+        requests = [
+            decision(f"q{i}", state, q, o, order_samples=order_samples)
+            for i, (q, o) in enumerate(questions)
+        ]
+        engine.cache.clear()
+        grouped = [_ok(r) for r in engine.score(requests)]
+        assert grouped[0].prompt.prefix_tokens > 40
+        for request, result in zip(requests, grouped, strict=True):
+            alone = _alone(engine, request)
+            assert np.allclose(result.option_logits, alone, atol=1e-3), (result, alone)
+            if order_samples == 1:
+                plain = reference_option_logits(engine, request)
+                assert np.allclose(result.option_logits, plain, atol=KERNEL_TOLERANCE)
 
 
 def test_parallel_branches_agree_within_kernel_tolerance(default_gguf: Path) -> None:
@@ -169,9 +183,9 @@ def test_parallel_branches_prefill_a_lone_cold_question_in_one_decode(
     )
     try:
         state = {"ticket": "Invoices are charged twice since the upgrade", "plan": "team"}
-        first = decision("a", state, "Which team should own this ticket?")
+        first = decision("a", state, "Which team should own this ticket?", order_samples=1)
         second = decision(
-            "b", state, "How urgent is this ticket?", [("low", "Low"), ("high", "High")]
+            "b", state, "How urgent is this ticket?", [("low", "Low"), ("high", "High")], 1
         )
         cold = _ok(eng.score([first])[0])
         assert cold.prefix_cache == "miss"
@@ -190,7 +204,7 @@ def test_parallel_branches_prefill_a_lone_cold_question_in_one_decode(
         # apart from the default engine's by the kernel effect (docs/decisions.md, Numerics).
         default = _alone(engine, second)
         assert np.allclose(hit.option_logits, default, atol=KERNEL_TOLERANCE)
-        many = decision("c", "A lone state.", "Which code?", 30)
+        many = decision("c", "A lone state.", "Which code?", 30, order_samples=1)
         codes = _ok(eng.score([many])[0])  # codes read after the one decode, in its branches
         assert np.allclose(codes.option_logits, _alone(engine, many), atol=KERNEL_TOLERANCE)
         assert math.isclose(sum(codes.probabilities), 1.0, rel_tol=1e-6)

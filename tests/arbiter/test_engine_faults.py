@@ -7,6 +7,7 @@ context) run in a child process, so a failure is reported instead of killing the
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 import textwrap
@@ -42,7 +43,13 @@ def _isolated(code: str, timeout: float = 120) -> subprocess.CompletedProcess[st
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+        env={
+            "PYTHONPATH": str(ROOT),
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(Path.home()),
+            # The tests' own empty model store: a catalog model installed here stays out of sight.
+            "ARBITER_MODEL_STORE": os.environ["ARBITER_MODEL_STORE"],
+        },
     )
 
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from arbiter.engine import Engine
-from arbiter.engine.calibration import Calibration
+from arbiter.engine.calibration import Calibration, PolicyCalibration, Temperatures
 from arbiter.engine.labels import Labels, _prefix_free, choose_codes
 from arbiter.engine.probabilities import logsumexp, softmax
 from arbiter.errors import ContextLengthExceeded, LabelVocabularyError, TooManyOptions
@@ -63,10 +63,14 @@ KERNEL_TOLERANCE = 0.5
 
 
 def many(
-    id: str, n: int, state: object = STATE, question: str = "Which team should own this ticket?"
+    id: str,
+    n: int,
+    state: object = STATE,
+    question: str = "Which team should own this ticket?",
+    order_samples: int | None = None,
 ) -> DecisionRequest:
     options = [(f"team-{i}", f"Team {i}: {TOPICS[i % len(TOPICS)]}") for i in range(n)]
-    return decision(id, state, question, options)
+    return decision(id, state, question, options, order_samples)
 
 
 def _ok(outcome: DecisionResult | Exception) -> DecisionResult:
@@ -270,7 +274,7 @@ def test_each_codes_probability_is_the_product_of_its_tokens_decoded_on_its_own(
     which: str, n: int, state: object, request: pytest.FixtureRequest
 ) -> None:
     eng: Engine = request.getfixturevalue(which)
-    req = many(f"ref-{n}", n, state)
+    req = many(f"ref-{n}", n, state, order_samples=1)  # one read, compared with a plain one
     result = _alone(eng, req)
     assert result.prompt.version.startswith("arbiter-codes-v2/")
     assert sum(result.probabilities) == pytest.approx(1.0, abs=1e-9)
@@ -334,7 +338,7 @@ def test_parallel_branches_compose_with_codes(default_gguf: Path) -> None:
 
 
 def test_255_options_score_within_the_context_and_256_is_a_typed_error(engine: Engine) -> None:
-    biggest = many("max", MAX_OPTIONS)
+    biggest = many("max", MAX_OPTIONS, order_samples=1)  # one read: the context holds it
     text = engine.render_text(biggest)
     assert "\nZ4. Team 254: " in text and "from A0 to Z4." in text
     too_many = many("over", MAX_OPTIONS + 1)
@@ -344,6 +348,7 @@ def test_255_options_score_within_the_context_and_256_is_a_typed_error(engine: E
     result = _ok(out[1])
     labels = engine.labels.paths(MAX_OPTIONS)
     assert labels is not None and labels.cells == 52
+    assert result.orders_read == 1
     assert result.prompt.input_tokens + labels.cells <= engine.n_ctx
     assert len(result.probabilities) == MAX_OPTIONS
     assert sum(result.probabilities) == pytest.approx(1.0)
@@ -432,7 +437,7 @@ def test_generated_many_option_decisions_are_scored_or_refused_on_their_own(
 
 
 def test_order_samples_average_code_logits_by_option_id(engine: Engine) -> None:
-    base = many("ord", 27, OTHER_STATE)
+    base = many("ord", 27, OTHER_STATE, order_samples=1)
     merged = _ok(engine.score([base.model_copy(update={"order_samples": 2})])[0])
     assert merged.prompt.version == "arbiter-codes-v2/plain+order-2"
     assert merged.option_ids == [o.id for o in base.options]
@@ -447,7 +452,10 @@ def test_order_samples_average_code_logits_by_option_id(engine: Engine) -> None:
 def test_a_calibrated_temperature_applies_to_code_logits(engine: Engine) -> None:
     request = many("cal", 27, OTHER_STATE).model_copy(update={"question_type": "choice"})
     raw = _alone(engine, request)
-    engine.calibration = Calibration(global_temperature=1.0, by_type={"choice": 2.5})
+    temperatures = Temperatures(global_temperature=1.0, by_type={"choice": 2.5})
+    engine.calibration = Calibration(
+        {"adaptive": PolicyCalibration(temperatures), "single": PolicyCalibration(temperatures)}
+    )
     try:
         calibrated = _ok(engine.score([request])[0])
     finally:

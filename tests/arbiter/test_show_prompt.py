@@ -38,14 +38,28 @@ def test_each_prompt_is_the_one_the_engine_prefills_with_its_counts_and_sha256(
     eng.cache.clear()
     results = eng.score(decisions)  # one call, grouped by state as arbiter decide groups a chunk
     assert len(records) == len(results) == len(decisions) > 2
-    for record, result, decision in zip(records, results, decisions, strict=True):
+    # A decision read adaptively shows its first read: its options in their canonical order.
+    first = canonical_requests(decisions, eng.read_policy(eng.settings))
+    shown_reordered = 0
+    for record, result, decision in zip(records, results, first, strict=True):
         assert isinstance(result, DecisionResult), result
         assert record["id"] == result.id
         assert record["text"] == eng.render_text(decision)
-        assert record["tokens"] == result.prompt.input_tokens
+        assert record["tokens"] == len(eng.prompt_tokens(decision))
+        suffix = record["tokens"] - record["prefix_tokens"]
+        if result.orders_read == 1:
+            assert record["tokens"] == result.prompt.input_tokens
+        else:  # the later orders' suffixes: the same options in other orders, about as long
+            assert result.prompt.input_tokens - record["tokens"] >= (result.orders_read - 1) * (
+                suffix - 2 * len(decision.options)
+            )
         assert record["prefix_tokens"] == result.prompt.prefix_tokens
         assert record["sha256"] == result.prompt.sha256
         assert record["version"] == result.prompt.version
+        shown_reordered += (
+            decision.options != next(d for d in decisions if d.id == decision.id).options
+        )
+    assert shown_reordered > 0  # the example file lists some options out of their canonical order
     assert len({r["prefix_tokens"] for r in records}) < len(records)  # shared states share it
 
 

@@ -17,6 +17,7 @@ import pytest
 from arbiter.cli import main
 from arbiter.models import smollm2_path
 from tests import ROOT
+from tests.environ import kept
 from tests.fakes import decision_body
 from tests.gguf_models import Vocabulary, with_template
 
@@ -43,7 +44,9 @@ def refusing(vocabulary: Vocabulary, tmp_path_factory: pytest.TempPathFactory) -
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     saved = dict(os.environ)
     for name in list(os.environ):
-        if name.startswith(("ARBITER_", "SM_LLAMA_CPP_", "SM_MODEL_DIR", "SAGEMAKER_")):
+        if not kept(name) and name.startswith(
+            ("ARBITER_", "SM_LLAMA_CPP_", "SM_MODEL_DIR", "SAGEMAKER_")
+        ):
             monkeypatch.delenv(name)
     yield monkeypatch
     os.environ.clear()

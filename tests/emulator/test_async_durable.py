@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from tests.emulator.support import (
     stand_in,
     subscribe,
 )
+from tests.environ import environ_without
 from tests.fakes import decision_body
 
 pytestmark = pytest.mark.timeout(240)
@@ -142,7 +142,7 @@ def test_six_requests_a_sigterm_and_a_restart_all_six_answered(endpoint: str, dr
 
         fake.respond = slow
         port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("ARBITER_", "AWS_"))}
+        env = environ_without("ARBITER_", "AWS_")
         env.update(
             PYTHONPATH=str(ROOT),
             ARBITER_AWS_ENDPOINT_URL=endpoint,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from tests.emulator.support import (
     stand_in,
     subscribe,
 )
+from tests.environ import environ_without
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,7 +83,7 @@ def test_a_stream_client_that_never_reads_is_dropped_and_the_container_call_ends
 
 
 def _runtime(env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ARBITER_", "AWS_"))}
+    env = environ_without("ARBITER_", "AWS_")
     env.update(PYTHONPATH=str(ROOT), ARBITER_RUNTIME_PORT="0", **env_extra)
     env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = "/nonexistent"
     env["AWS_EC2_METADATA_DISABLED"] = "true"

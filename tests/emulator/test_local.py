@@ -4,7 +4,6 @@ endpoint, boto3 reaches the container through it, SIGTERM stops it with the rest
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -16,6 +15,7 @@ import pytest
 
 from tests import ROOT
 from tests.emulator.support import runtime
+from tests.environ import environ_without
 from tests.fakes import decision_body
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.real_model]
@@ -29,7 +29,7 @@ def free_port() -> int:
 
 def test_arbiter_local_serves_the_runtime_api_in_front_of_its_container() -> None:
     serve_port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ARBITER_", "AWS_"))}
+    env = environ_without("ARBITER_", "AWS_")
     env.update(
         PYTHONPATH=str(ROOT),
         ARBITER_PORT=str(serve_port),

@@ -22,6 +22,7 @@ import pytest
 
 from tests import ROOT
 from tests.aws import aws_clients, list_keys, queue_counts, read_object, receive_all, wait_for
+from tests.environ import environ_without
 from tests.fakes import decision_line
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
@@ -94,7 +95,7 @@ def spawn() -> Iterator[Callable[..., Proc]]:
 
 
 def worker_env(endpoint: str, **extra: Any) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ARBITER_", "PROMETHEUS_"))}
+    env = environ_without("ARBITER_", "PROMETHEUS_")
     env.update(
         PYTHONPATH=str(ROOT),
         AWS_ACCESS_KEY_ID="testing",
@@ -221,7 +222,7 @@ async def test_metrics_are_merged_from_two_worker_processes(endpoint: str, spawn
 
 
 def test_local_stack_and_submit_with_the_real_engine(spawn, tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ARBITER_", "PROMETHEUS_"))}
+    env = environ_without("ARBITER_", "PROMETHEUS_")
     env.update(PYTHONPATH=str(ROOT), ARBITER_WAIT_TIME_S="1", ARBITER_METRICS_PORT="0")
     env.pop("AWS_ACCESS_KEY_ID", None)
     local = spawn(
