@@ -1103,6 +1103,23 @@ MUTATIONS = (
         "if False:",
         ("tests/arbiter/test_calibration.py::test_file_round_trip_and_refusals",),
     ),
+    Mutation(
+        "profile-labels-never-reordered",
+        "arbiter/profiles.py",
+        "        return isinstance(self.spec.labels, str)",
+        "        return True",
+        (
+            "tests/arbiter/test_profiles.py::"
+            "test_a_profile_sets_the_instruction_layout_labels_and_cue",
+        ),
+    ),
+    Mutation(
+        "logs-to-the-current-stderr",
+        "arbiter/logging.py",
+        "        out = self._stream or sys.stderr",
+        "        out = self._stream or sys.__stdout__",
+        ("tests/arbiter/test_models.py::test_the_bundled_model_says_it_is_a_format_demo",),
+    ),
 )
 
 
