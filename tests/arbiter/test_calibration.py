@@ -206,12 +206,3 @@ def test_abstention_keeps_the_answer_and_says_why(engine: Engine, tmp_path: Path
         assert other.abstained is False and other.abstention is None
     finally:
         calibrated.close()
-
-
-def test_a_catalog_model_ships_its_calibration(engine: Engine) -> None:
-    """The bundled model's shipped file is found by its sha256 and profile: calibrated out of
-    the box; turned off by ARBITER_SHIPPED_CALIBRATION=false."""
-    found = cal.shipped(engine.sha256, engine.profile.sha256)
-    assert found is not None and found.source == "shipped"
-    assert cal.shipped(engine.sha256, "00" * 32) is None  # another profile: not this file
-    assert cal.shipped("00" * 32, engine.profile.sha256) is None
