@@ -50,6 +50,7 @@ ANSWERS = "test_every_template_renders_a_decision_that_ends_where_the_model_answ
 REFUSALS = "tests/arbiter/test_template_refusals.py::"
 STREAMING = "tests/emulator/test_transform_streaming.py::"
 PROCESSING = "tests/emulator/test_transform_dataprocessing.py::"
+QUEUE_OUTAGES = "tests/worker/test_queue_outages.py::"
 
 MUTATIONS = (
     Mutation(
@@ -1052,6 +1053,34 @@ MUTATIONS = (
         (
             "tests/worker/test_protection.py::"
             "test_the_pool_protects_its_task_while_a_worker_holds_a_message",
+        ),
+    ),
+    # Issue 36: the fan-out through queue outages.
+    Mutation(
+        "lost-lease-not-a-try",
+        "worker/handling.py",
+        "                lambda why: self.uncounted.record(message, why),\n",
+        "                None,\n",
+        (
+            QUEUE_OUTAGES
+            + "test_a_lease_lost_to_an_sqs_outage_spends_no_try_and_its_job_goes_on",
+        ),
+    ),
+    Mutation(
+        "queue-fault-not-a-try",
+        "worker/replies.py",
+        '            await self._uncounted(message, f"its release was not sent: {error}")\n',
+        "",
+        (QUEUE_OUTAGES + "test_a_receive_given_back_while_sqs_is_down_spends_no_try",),
+    ),
+    Mutation(
+        "outage-clock-measures-the-outage",
+        "worker/tries.py",
+        "        return receive.outage_s + min(gap, given + self.lag_s)\n",
+        "        return receive.outage_s + gap\n",
+        (
+            "tests/worker/test_events.py::test_the_outage_clock_measures_the_outage_not_the_wait",
+            QUEUE_OUTAGES + "test_a_wait_in_the_backlog_is_not_an_outage",
         ),
     ),
     # Issue 34: probabilities an application can act on.

@@ -35,6 +35,7 @@ from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline
 from worker.replies import QueueInfo, Replies, describe_queue
 from worker.settings import WorkerSettings
 from worker.tries import ATTRIBUTES, Receive
+from worker.uncounted import Uncounted
 
 log = structlog.get_logger("arbiter.worker")
 
@@ -85,7 +86,8 @@ class Consumer:
                 hint="set the queue's maxReceiveCount to ARBITER_MAX_RECEIVE_COUNT + 3, so the "
                 "worker sees the receive after a message's last try",
             )
-        self.replies = Replies(sqs, queue, self.metrics)
+        self.uncounted = Uncounted(s3, settings)
+        self.replies = Replies(sqs, queue, self.metrics, self.uncounted)
         self.fanout = FanOut(
             settings,
             s3,
@@ -107,6 +109,7 @@ class Consumer:
             self.replies,
             self.metrics,
             visibility_limit_s,
+            self.uncounted,
         )
         base, most = settings.circuit_probe_s, settings.circuit_probe_max_s
         self.store = CircuitBreaker(
@@ -176,6 +179,7 @@ class Consumer:
                     await self._drain_or_finish(task, message)
                 finally:
                     self.in_hand(False)
+                    self.handler.receives.pop(message["ReceiptHandle"], None)
                 if self._stop.is_set():
                     return
 
@@ -192,7 +196,8 @@ class Consumer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await self.replies.release(message, self.tries.carried(Receive.of(message)))
+            receive = self.handler.receives.get(message["ReceiptHandle"]) or Receive.of(message)
+            await self.replies.release(message, self.tries.carried(receive))
             return
         try:
             await task
