@@ -1083,6 +1083,16 @@ MUTATIONS = (
             QUEUE_OUTAGES + "test_a_wait_in_the_backlog_is_not_an_outage",
         ),
     ),
+    Mutation(
+        "queue-breaker-at-start-up",
+        "worker/replies.py",
+        "    if not await breaker.wait(stop):\n        return None\n    if fatal:",
+        "    await probe()\n    if fatal:",
+        (
+            QUEUE_OUTAGES
+            + "test_a_worker_restarted_during_an_sqs_outage_waits_and_the_pool_lives",
+        ),
+    ),
     # Issue 34: probabilities an application can act on.
     Mutation(
         "prior-corrects-reads",

@@ -32,14 +32,14 @@ from worker.handling import Handler
 from worker.jobs import thread_runner
 from worker.metrics import WorkerMetrics
 from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline
-from worker.replies import QueueInfo, Replies, describe_queue
+from worker.replies import QueueInfo, Replies, describe_queue, open_queue
 from worker.settings import WorkerSettings
 from worker.tries import ATTRIBUTES, Receive
 from worker.uncounted import Uncounted
 
 log = structlog.get_logger("arbiter.worker")
 
-__all__ = ["Consumer", "QueueInfo", "describe_queue", "receive_count"]
+__all__ = ["Consumer", "QueueInfo", "describe_queue", "open_queue", "receive_count"]
 
 
 def receive_count(message: dict[str, Any]) -> int:

@@ -13,6 +13,8 @@ from typing import Any
 
 import structlog
 
+from worker.breaker import CircuitBreaker
+from worker.faults import Fault, classify
 from worker.metrics import WorkerMetrics
 from worker.policies import ExponentialBackoff
 from worker.settings import WorkerSettings
@@ -39,6 +41,41 @@ class QueueInfo:
             settings.max_outage_s,
             settings.circuit_probe_max_s + settings.wait_time_s,
         )
+
+
+async def open_queue(
+    sqs: Any, settings: WorkerSettings, metrics: WorkerMetrics, stop: asyncio.Event
+) -> QueueInfo | None:
+    """:func:`describe_queue`, waiting behind the queue's circuit breaker while SQS cannot be
+    reached (its probes, ``circuit_probe_s`` doubling to ``circuit_probe_max_s``): a worker
+    started or restarted in an SQS outage waits instead of dying (issue 36: the pool restarted it
+    until its crash-loop limit and exited 1 after 50 s). None if ``stop`` is set first. An answer
+    that is no outage (no such queue: a configuration error) is raised at once."""
+    found: list[QueueInfo] = []
+    fatal: list[BaseException] = []
+
+    async def probe() -> None:
+        try:
+            found.append(await describe_queue(sqs, settings))
+        except Exception as exc:
+            if classify(exc) is Fault.WORK:
+                fatal.append(exc)
+                return
+            raise
+
+    breaker = CircuitBreaker(
+        "queue",
+        metrics,
+        probe,
+        settings.circuit_probe_s,
+        settings.circuit_probe_max_s,
+        probe_first=True,
+    )
+    if not await breaker.wait(stop):
+        return None
+    if fatal:
+        raise fatal[0]
+    return found[-1]
 
 
 async def describe_queue(sqs: Any, settings: WorkerSettings) -> QueueInfo:

@@ -4,18 +4,25 @@ with one try allowed, so that any receive wrongly counted fails a shard."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import Callable
 
 from structlog.testing import capture_logs
 
-from tests.aws import aws_clients, read_object
-from tests.fakes import FakeEngine
-from tests.faults.proxy import Call
+from tests.aws import aws_clients, list_keys, read_object, wait_for
+from tests.fakes import FakeEngine, decision_line
+from tests.faults.proxy import Call, FaultProxy
 from tests.worker.scenarios import Rule, fault_settings, numbered_body, rules, run_fleet
+from tests.worker.test_pool import WORK, Proc, spawn, stack_settings, worker_env
 from worker.jobs import output_keys
 from worker.settings import WorkerSettings
+from worker.stack import ensure_stack
+
+__all__ = ["spawn"]  # the process fixture, shared with test_pool
 
 
 class Window:
@@ -146,3 +153,47 @@ async def test_a_wait_in_the_backlog_is_not_an_outage(endpoint: str) -> None:
     )
     assert first.hits == 6 and bad == []
     assert await _failed_shards(endpoint, settings, jobs[0].key, jobs[0].etag) == []
+
+
+async def test_a_worker_restarted_during_an_sqs_outage_waits_and_the_pool_lives(
+    endpoint: str, spawn: Callable[..., Proc]
+) -> None:
+    """Issue 36: a worker killed while SQS is down was restarted into a failing ``GetQueueUrl``
+    before any breaker existed; past its restarts (5 by default, 1 here) the pool exited 1. Now
+    the restarted worker waits behind its queue breaker and takes work once SQS answers."""
+    down = False
+    proxy = FaultProxy(endpoint, lambda call: "fail_503" if down and sqs(call) else "forward")
+    await proxy.start()
+    try:
+        async with aws_clients(endpoint) as (s3, client):
+            settings = stack_settings(endpoint)
+            await ensure_stack(s3, client, settings)
+            env = worker_env(
+                await proxy.endpoint(0),
+                ARBITER_WORKER_PROCESSES=2,
+                ARBITER_MAX_RESTARTS=1,
+                ARBITER_CIRCUIT_PROBE_S=0.25,
+                ARBITER_CIRCUIT_PROBE_MAX_S=1,
+            )
+            pool = spawn(WORK, env)
+            ready = await asyncio.to_thread(pool.wait_event, "worker.ready", 2)
+            down = True
+            os.kill(int(ready[0]["pid"]), signal.SIGKILL)
+            await asyncio.to_thread(pool.wait_event, "queue.unavailable", 2, 30)
+            await asyncio.sleep(5)  # the old code had exited 1 by now
+            assert pool.popen.poll() is None, "\n".join(pool.lines[-30:])
+            down = False
+            await asyncio.to_thread(pool.wait_event, "worker.ready", 3, 30)
+            body = "\n".join(decision_line(i) for i in range(3)).encode()
+            put = await s3.put_object(Bucket="jobs", Key="incoming/after.jsonl", Body=body)
+            keys = output_keys(settings, "incoming/after.jsonl", put["ETag"].strip('"'))
+
+            async def summarized() -> bool:
+                return keys.summary in await list_keys(s3, "jobs", keys.summary)
+
+            await wait_for(summarized, within_s=60)
+            pool.popen.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(pool.popen.wait, 60) == 0
+    finally:
+        await proxy.close()
+    assert not pool.events("pool.crash_loop")
