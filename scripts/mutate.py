@@ -1084,6 +1084,16 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "race-is-no-outage",
+        "worker/faults.py",
+        "    fault = Fault.RACE\n",
+        "    fault = Fault.STORE\n",
+        (
+            "tests/worker/test_fanout_ends.py::"
+            "test_an_end_of_job_race_opens_no_breaker_and_logs_no_error",
+        ),
+    ),
+    Mutation(
         "queue-breaker-at-start-up",
         "worker/replies.py",
         "    if not await breaker.wait(stop):\n        return None\n    if fatal:",

@@ -88,14 +88,24 @@ class Dispatch:
         exc: BaseException,
     ) -> Failed:
         """A failed receive: a failure of the work counts (:meth:`_counted`); a store or queue
-        fault gives the message back without spending a try (:meth:`_outage`)."""
+        fault gives the message back without spending a try (:meth:`_outage`), and so does an
+        end-of-job race (:meth:`_busy`)."""
         failed = Failed(classify(exc), describe(exc))
         refs = [e for e in entries if not isinstance(e, Ignored)]
         if failed.fault.counts:
             await self._counted(message, refs, receive, failed.error)
+        elif failed.fault is Fault.RACE:
+            await self._busy(message, receive, failed)
         else:
             await self._outage(message, refs, receive, failed)
         return failed
+
+    async def _busy(self, message: dict[str, Any], receive: Receive, failed: Failed) -> None:
+        """Another worker is doing this step now (:class:`worker.faults.Busy`): given back after
+        a backoff that grows with each such receive; no try, no outage clock, no error line."""
+        delay = self.tries.outage_delay(receive)
+        log.info("message.busy", error=failed.error, retry_in_s=delay)
+        await self.replies.release(message, self.tries.carried(receive, busy=True), delay)
 
     async def _counted(
         self, message: dict[str, Any], refs: list[Ref], receive: Receive, why: str

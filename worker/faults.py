@@ -29,6 +29,7 @@ class Fault(StrEnum):
     WORK = "work"  # the engine or the data: counts towards the give-up
     STORE = "store"  # S3 unavailable, throttling, denied: retried, never counted
     QUEUE = "queue"  # SQS likewise
+    RACE = "race"  # another worker is doing this step now: retried, never counted, no breaker
 
     @property
     def counts(self) -> bool:
@@ -47,6 +48,15 @@ class QueueRefused(Transient):
     """SQS kept refusing messages the worker must send."""
 
     fault = Fault.QUEUE
+
+
+class Busy(Transient):
+    """An ordinary race at a job's end (another worker sending its records, a status key that
+    kept changing): the message comes back after a backoff, spends no try, and opens no breaker,
+    logs no error and moves no outage metric, since S3 is healthy (issue 36: an alarm on the
+    breaker fired on these)."""
+
+    fault = Fault.RACE
 
 
 SQS_OPERATIONS = frozenset(

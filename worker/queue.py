@@ -230,9 +230,10 @@ class Consumer:
         that dependency's circuit breaker."""
         received_at = time.monotonic() if received_at is None else received_at
         failed = await self.handler.handle(message, received_at)
-        if failed is None or failed.fault is Fault.WORK:
-            if failed is None:
-                self.store.succeeded()
+        if failed is None:
+            self.store.succeeded()
             return
-        breaker = self.store if failed.fault is Fault.STORE else self.queue_breaker
-        breaker.trip(failed.error)
+        # A failure of the work, or an end-of-job race, says nothing about S3 or SQS.
+        breaker = {Fault.STORE: self.store, Fault.QUEUE: self.queue_breaker}.get(failed.fault)
+        if breaker is not None:
+            breaker.trip(failed.error)

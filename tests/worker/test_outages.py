@@ -29,6 +29,7 @@ from tests.worker.scenarios import (
     versioned_stack,
 )
 from worker.breaker import CircuitBreaker
+from worker.fanout.deadletters import RecordsInFlight
 from worker.fanout.status import Contended
 from worker.faults import Fault, QueueRefused, classify
 from worker.jobs import JobFailed, output_keys
@@ -56,7 +57,6 @@ def test_only_the_engine_and_the_data_count_towards_the_tries() -> None:
         EndpointConnectionError(endpoint_url="http://s3"),
         ReadTimeoutError(endpoint_url="http://s3"),
         _from(JobFailed("cannot read s3://jobs/x"), _client_error("SlowDown", 503)),
-        Contended("the status stayed contended"),
         WriteConflict("a concurrent write"),
         TimeoutError(),
     ]
@@ -72,10 +72,13 @@ def test_only_the_engine_and_the_data_count_towards_the_tries() -> None:
         RuntimeError("this engine cannot score poison"),
         _from(JobFailed("shard 1 has 7 items, not 8"), ValueError("damaged")),
     ]
+    race = [Contended("the status stayed contended"), RecordsInFlight("claimed by another end")]
     assert [classify(e) for e in store] == [Fault.STORE] * len(store)
+    assert [classify(e) for e in race] == [Fault.RACE] * len(race)
     assert [classify(e) for e in queue] == [Fault.QUEUE] * len(queue)
     assert [classify(e) for e in work] == [Fault.WORK] * len(work)
     assert Fault.WORK.counts and not Fault.STORE.counts and not Fault.QUEUE.counts
+    assert not Fault.RACE.counts
 
 
 async def test_the_breaker_opens_once_probes_with_doubling_delays_and_closes_once() -> None:

@@ -11,12 +11,12 @@ Several workers may run the end at once (the merge and a late shard message). Th
 is the one that claims ``<name>.<etag>.dead-letters.json`` beside the summary: created with
 ``If-None-Match: *``, or taken over with ``If-Match`` once an earlier claim is older than the
 visibility timeout (its claimer died); the claimer sends the records and then marks the object
-``sent``. An end that finds a fresh claim of another raises :class:`RecordsInFlight` (a store-class
-fault: its message comes back after a backoff, spending no try) rather than go on to delete the
-job's folder, so the job is never ended while its records are unsent: if that claimer died, the
-next run of the end takes its claim over. A claimer killed after sending and before its mark, and
-a send whose answer was lost (botocore sends it again), are the ways a record comes twice; none is
-ever lost.
+``sent``. An end that finds a fresh claim of another raises :class:`RecordsInFlight` (an end-of-job
+race, :class:`worker.faults.Busy`: its message comes back after a backoff, spending no try and
+opening no breaker) rather than go on to delete the job's folder, so the job is never ended while
+its records are unsent: if that claimer died, the next run of the end takes its claim over. A
+claimer killed after sending and before its mark, and a send whose answer was lost (botocore sends
+it again), are the ways a record comes twice; none is ever lost.
 
 Each record is the shard's message (``{"arbiter_shard": 2, ...}``: what failed, in the shape a
 worker reads) with what the summary says about it: ``failed`` (its lines, the error, after how
@@ -33,14 +33,14 @@ from typing import Any
 import structlog
 
 from worker.events import PROTOCOL, ShardMessage
-from worker.faults import Transient
+from worker.faults import Busy
 from worker.jobs import OutputKeys
 from worker.s3io import PreconditionFailed, WriteConflict, get_json, put_json, put_new
 
 log = structlog.get_logger("arbiter.worker")
 
 
-class RecordsInFlight(Transient):
+class RecordsInFlight(Busy):
     """Another end is sending this job's dead-letter records now: this one comes back later."""
 
 
