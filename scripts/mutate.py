@@ -1103,6 +1103,17 @@ MUTATIONS = (
             + "test_a_worker_restarted_during_an_sqs_outage_waits_and_the_pool_lives",
         ),
     ),
+    Mutation(
+        "forbidden-object-is-a-rejection",
+        "worker/jobs.py",
+        "        if is_object_denied(exc):\n"
+        '            raise InputDenied(f"the input {where} cannot be read: {exc}", found.keys) from exc\n',
+        "",
+        (
+            "tests/worker/test_outages.py::"
+            "test_an_input_the_role_may_not_read_is_rejected_with_its_record",
+        ),
+    ),
     # Issue 34: probabilities an application can act on.
     Mutation(
         "prior-corrects-reads",

@@ -15,7 +15,7 @@ import structlog
 from worker.events import Ignored, Ref, ShardRef
 from worker.fanout import Delivery, FanOut
 from worker.faults import Fault, classify, describe
-from worker.jobs import JobRejected, JobReport, write_rejection
+from worker.jobs import InputDenied, JobRejected, JobReport, write_rejection
 from worker.metrics import WorkerMetrics
 from worker.replies import Replies
 from worker.tries import Receive, Tries
@@ -49,12 +49,20 @@ class Dispatch:
                 continue
             try:
                 await self.run(entry, delivery)
+            except InputDenied as exc:
+                if not self.tries.last(delivery.receive_count):
+                    raise  # counts: backed off, read again (a grant may be on its way)
+                tried = f"{exc} (refused on each of its {delivery.receive_count} tries)"
+                rejected.append(await self._reject(entry, JobRejected(tried, exc.keys)))
             except JobRejected as exc:
-                log.error("job.rejected", key=entry.key, reason=str(exc))
-                await write_rejection(self.fanout.s3, self.fanout.bucket, entry, exc)
-                self.metrics.jobs.labels("rejected").inc()
-                rejected.append(str(exc))
+                rejected.append(await self._reject(entry, exc))
         return rejected
+
+    async def _reject(self, entry: Ref, exc: JobRejected) -> str:
+        log.error("job.rejected", key=entry.key, reason=str(exc))
+        await write_rejection(self.fanout.s3, self.fanout.bucket, entry, exc)
+        self.metrics.jobs.labels("rejected").inc()
+        return str(exc)
 
     async def run(self, ref: Ref, delivery: Delivery) -> JobReport:
         started = time.perf_counter()
