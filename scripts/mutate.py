@@ -1114,6 +1114,13 @@ MUTATIONS = (
             "test_an_input_the_role_may_not_read_is_rejected_with_its_record",
         ),
     ),
+    Mutation(
+        "rerun-gets-its-records",
+        "worker/fanout/deadletters.py",
+        '            ours = found.get("run", claim["run"]) == claim["run"]  # not an earlier run\'s\n',
+        "            ours = True\n",
+        ("tests/worker/test_fanout_ends.py::test_a_reruns_failed_shard_gets_its_own_dlq_record",),
+    ),
     # Issue 34: probabilities an application can act on.
     Mutation(
         "prior-corrects-reads",

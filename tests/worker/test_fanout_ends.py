@@ -288,3 +288,34 @@ async def test_an_end_of_job_race_opens_no_breaker_and_logs_no_error(endpoint: s
     retries = [sample(registry, "arbiter_worker_outage_retries_total", dependency=d) for d in DEPS]
     assert opened == [0, 0] and retries == [0, 0]
     assert len(back) == 1 and back[0]["Body"] == message["Body"]  # given back, not counted
+
+
+async def test_a_reruns_failed_shard_gets_its_own_dlq_record(endpoint: str) -> None:
+    """Issue 36: a re-run of an input (its outputs deleted, its notification sent again) whose
+    shard fails again got no DLQ record: the first run's ``dead-letters.json``, marked sent,
+    outlived it. The claim names its run (the summary's ``finished_at``), so the re-run's end
+    takes the old mark over and sends its own record, once."""
+    settings = fault_settings(endpoint)
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await versioned_stack(s3, sqs, settings)
+        job = await drop(s3, settings, "incoming/twice.jsonl", numbered_body(8))
+        keys = output_keys(settings, job.key, job.etag)
+        folder = job_folder(settings, "jobs", job.key, job.etag)
+        merger = Merger(s3, settings, None, sqs, stack["dlq_url"])
+        span = {"index": 1, "first_line": 5, "last_line": 8, "lines": 4, "receives": 5}
+        records = []
+        for run in ("2026-01-01T00:00:00+00:00", "2026-01-02T00:00:00+00:00"):
+            summary = {
+                "lines": 8,
+                "failed": 4,
+                "finished_at": run,
+                "input": {"bucket": "jobs", "key": job.key, "etag": job.etag},
+                "shards": {"plan": "ab" * 8, "count": 2, "failed": [{**span, "error": run}]},
+            }
+            await merger.finalize(keys, folder, summary)
+            await merger.finalize(keys, folder, summary)  # a second end sends nothing more
+            records += await receive_all(sqs, stack["dlq_url"], wait=1)
+    assert [json.loads(m["Body"])["failed"]["error"] for m in records] == [
+        "2026-01-01T00:00:00+00:00",
+        "2026-01-02T00:00:00+00:00",
+    ]

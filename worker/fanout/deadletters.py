@@ -18,6 +18,12 @@ its records are unsent: if that claimer died, the next run of the end takes its 
 claimer killed after sending and before its mark, and a send whose answer was lost (botocore sends
 it again), are the ways a record comes twice; none is ever lost.
 
+The claim names the run it is for (the summary's ``finished_at``): a re-run of the same input (its
+outputs deleted, its notification sent again) writes a summary of its own, and a claim or a
+``sent`` mark of an earlier run is taken over like a stale one (issue 36: the first run's mark
+outlived it, and a re-run's failed shard got no record). A claim that names no run (written before
+that) is taken as this run's.
+
 Each record is the shard's message (``{"arbiter_shard": 2, ...}``: what failed, in the shape a
 worker reads) with what the summary says about it: ``failed`` (its lines, the error, after how
 many receives) and ``summary_key``.
@@ -78,7 +84,8 @@ class DeadLetters:
         if not failed or self.dlq_url is None or self.sqs is None:
             return
         key = records_key(keys)
-        claim = {"state": "sending", "by": uuid.uuid4().hex[:12], "at": time.time()}
+        run = summary.get("finished_at")
+        claim = {"state": "sending", "by": uuid.uuid4().hex[:12], "at": time.time(), "run": run}
         if not await self._claim(key, claim):
             return
         for entry in failed:
@@ -88,6 +95,7 @@ class DeadLetters:
                 self.metrics.dlq_moves.labels("shard_failed").inc()
         log.error("job.shards_dead_lettered", shards=[f["index"] for f in failed])
         sent = {"state": "sent", "by": claim["by"], "records": [f["index"] for f in failed]}
+        sent["run"] = run
         await put_json(self.s3, self.bucket, key, sent)
 
     async def _claim(self, key: str, claim: dict[str, Any]) -> bool:
@@ -99,9 +107,10 @@ class DeadLetters:
                     return True
                 continue
             found, etag = got
-            if found.get("state") == "sent":
+            ours = found.get("run", claim["run"]) == claim["run"]  # not an earlier run's
+            if ours and found.get("state") == "sent":
                 return False
-            if claim["at"] - float(found.get("at", 0)) < self.stale_s:
+            if ours and claim["at"] - float(found.get("at", 0)) < self.stale_s:
                 raise RecordsInFlight(f"{key}: claimed by {found.get('by')}")
             try:
                 await put_json(self.s3, self.bucket, key, claim, IfMatch=etag)
