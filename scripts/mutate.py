@@ -1121,6 +1121,21 @@ MUTATIONS = (
         "            ours = True\n",
         ("tests/worker/test_fanout_ends.py::test_a_reruns_failed_shard_gets_its_own_dlq_record",),
     ),
+    Mutation(
+        "lease-lost-before-the-visibility-ends",
+        "worker/lease.py",
+        "            if not done:\n"
+        '                await self._lost("an extension did not answer before the visibility ran out")\n',
+        "",
+        (QUEUE_OUTAGES + "test_a_renewal_that_answers_after_the_visibility_ran_out_spends_no_try",),
+    ),
+    Mutation(
+        "whole-job-clears-its-records",
+        "worker/handling.py",
+        "                await self.uncounted.clear(message)  # a job run whole leaves no folder to go with\n",
+        "                pass\n",
+        (QUEUE_OUTAGES + "test_a_job_run_whole_leaves_no_record_of_its_uncounted_receives",),
+    ),
     # Issue 34: probabilities an application can act on.
     Mutation(
         "prior-corrects-reads",

@@ -151,6 +151,8 @@ class Handler:
                 await self.replies.dead_letter(message, "permanent")
             else:
                 await self.replies.delete(message)
+            if lease.lost is not None or receive.raw > 1 or receive.count > receive.raw:
+                await self.uncounted.clear(message)  # a job run whole leaves no folder to go with
             return None
 
     async def _out_of_tries(

@@ -110,14 +110,15 @@ class Lease:
                     Fault.WORK,
                 )
             try:
-                await self.sqs.change_message_visibility(
-                    QueueUrl=self.queue_url, ReceiptHandle=self.receipt, VisibilityTimeout=seconds
-                )
+                await self._renew(seconds, interval)
             except ClientError as exc:
                 code = exc.response.get("Error", {}).get("Code", "")
                 if code in _REFUSED:
                     reason = f"SQS refused to extend the message's visibility ({code})"
-                    return LeaseLost(reason, Fault.QUEUE, gone=True, stops=self.lost is None)
+                    lapsed = self.lost is not None or time.monotonic() >= self.until
+                    if lapsed:  # SQS showed it to another worker once its visibility ran out
+                        await self._lost(reason)
+                    return LeaseLost(reason, Fault.QUEUE, gone=True, stops=not lapsed)
                 error = str(exc)
             except Exception as exc:  # a network blip: the next beat may succeed
                 error = f"{type(exc).__name__}: {exc}"
@@ -131,3 +132,22 @@ class Lease:
                 await self._lost(
                     f"the message's visibility ran out while renewals failed ({error})"
                 )
+
+    async def _renew(self, seconds: int, interval: float) -> None:
+        """One extension. One that has not answered half a beat before the visibility runs out
+        (botocore still sending it again through an outage) reports the lease lost then, not
+        when it gives up: by that time SQS may be back and the message with another worker."""
+        renewal = asyncio.ensure_future(
+            self.sqs.change_message_visibility(
+                QueueUrl=self.queue_url, ReceiptHandle=self.receipt, VisibilityTimeout=seconds
+            )
+        )
+        try:
+            deadline = self.until - interval / 2 - time.monotonic()
+            done, _ = await asyncio.wait({renewal}, timeout=max(0.0, deadline))
+            if not done:
+                await self._lost("an extension did not answer before the visibility ran out")
+            await renewal
+        finally:
+            if not renewal.done():
+                renewal.cancel()

@@ -12,8 +12,10 @@ number is then SQS's count less those records (:func:`Uncounted.receive`), read 
 count reaches the tries (nothing is listed on the healthy path, and nothing is written).
 
 A direct ``{bucket, key}`` message names no ETag and so no folder: it is never recorded. Records
-go with the folder at the job's end (a single-path job's too: its end deletes the folder); the
-lifecycle rule on the shard prefix is the backstop for a job that never ends.
+go with the folder at a split job's end; a job message that may have some (received before, a
+copy, or its lease lost) clears them once its job is done, if it was run whole (no manifest: no end
+deletes that folder); the lifecycle rule on the shard prefix is the backstop for a job that never
+ends.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import structlog
 from worker.events import Ignored, JobRef, Ref, UnreadableMessage, parse_message
 from worker.fanout.keys import JobFolder, job_folder
 from worker.faults import describe
-from worker.s3io import put_json
+from worker.s3io import delete_prefix, exists, put_json
 from worker.settings import WorkerSettings
 from worker.tries import Receive, Tries
 
@@ -39,8 +41,8 @@ class Uncounted:
     def __init__(self, s3: Any, settings: WorkerSettings) -> None:
         self.s3, self.settings = s3, settings
 
-    def folder(self, message: dict[str, Any]) -> JobFolder | None:
-        """The folder of the message's first job, where its records go; None if it names none."""
+    def _ref(self, message: dict[str, Any]) -> Ref | None:
+        """The message's first job, shard or merge; None if it names none with a folder."""
         try:
             entries = parse_message(
                 message["Body"],
@@ -52,7 +54,13 @@ class Uncounted:
         refs: list[Ref] = [e for e in entries if not isinstance(e, Ignored)]
         if not refs or (isinstance(refs[0], JobRef) and not refs[0].etag):
             return None
-        ref = refs[0]
+        return refs[0]
+
+    def folder(self, message: dict[str, Any]) -> JobFolder | None:
+        """The folder of the message's first job, where its records go; None if it names none."""
+        ref = self._ref(message)
+        if ref is None:
+            return None
         return job_folder(self.settings, ref.bucket, ref.key, ref.etag or "")
 
     async def record(self, message: dict[str, Any], why: str) -> None:
@@ -69,6 +77,19 @@ class Uncounted:
             log.warning("receive.uncounted_unrecorded", why=why, error=describe(exc))
             return
         log.warning("receive.uncounted", why=why, receive=receive)
+
+    async def clear(self, message: dict[str, Any]) -> None:
+        """After a job message's last answer: its job's records, unless the job was split (its
+        shards may still need theirs, and its end deletes the folder)."""
+        ref = self._ref(message)
+        if not isinstance(ref, JobRef):
+            return  # no folder, or a shard or merge message: the job's end deletes them
+        folder = job_folder(self.settings, ref.bucket, ref.key, ref.etag or "")
+        try:
+            if not await exists(self.s3, self.settings.bucket, folder.manifest):
+                await delete_prefix(self.s3, self.settings.bucket, f"{folder.base}uncounted/")
+        except Exception as exc:
+            log.warning("receive.uncounted_left", error=describe(exc))
 
     async def receive(self, message: dict[str, Any], tries: Tries) -> Receive:
         """This receive as the tries count it: SQS's count less its message's uncounted receives,

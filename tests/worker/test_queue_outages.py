@@ -95,13 +95,17 @@ async def test_a_lease_lost_to_an_sqs_outage_spends_no_try_and_its_job_goes_on(
     assert outage.refused > 0 and "visibility.lost" in events and "receive.uncounted" in events
 
 
-class ThenSqsDown:
-    """Shard 0's input answered 503 (its 3 sends), and from its last every SQS request for
-    ``length_s``: the receive fails on the store, and SQS takes neither its copy nor a change
-    of its visibility."""
+def first_shard(call: Call) -> bool:
+    return shard_input(call) and call.key.endswith("/in/00000")
 
-    def __init__(self, length_s: float) -> None:
-        self.reads = Rule(lambda c: shard_input(c) and c.key.endswith("/in/00000"), "fail_503", 3)
+
+class ThenSqsDown:
+    """An input (shard 0's by default) answered 503 (its 3 sends), and from its last every SQS
+    request for ``length_s``: the receive fails on the store, and SQS takes neither its copy nor
+    a change of its visibility."""
+
+    def __init__(self, length_s: float, reads: Callable[[Call], bool] = first_shard) -> None:
+        self.reads = Rule(reads, "fail_503", 3)
         self.length_s, self.began = length_s, 0.0
 
     def __call__(self, call: Call) -> str:
@@ -130,6 +134,55 @@ async def test_a_receive_given_back_while_sqs_is_down_spends_no_try(endpoint: st
     events = [e["event"] for e in logs]
     assert plan.reads.hits == 3 and "release.resend_failed" in events
     assert "receive.uncounted" in events and "visibility.lost" not in events
+
+
+async def test_a_job_run_whole_leaves_no_record_of_its_uncounted_receives(endpoint: str) -> None:
+    """The same for a job small enough to run whole: its uncounted receive is recorded in a job
+    folder that no end deletes (only a split job's end does), so the receive that finishes the
+    job clears it; the campaign found one left behind."""
+    settings = one_try(endpoint, visibility_timeout_s=8, heartbeat_s=4, shard_lines=0)
+    plan = ThenSqsDown(7.0, lambda c: c.op == "GetObject" and c.key == "incoming/whole.jsonl")
+    bad, _, _ = await run_fleet(
+        endpoint, settings, plan, {"incoming/whole.jsonl": numbered_body(3)}
+    )
+    assert plan.reads.hits == 3 and bad == []  # nothing left under the shard prefix
+
+
+class SlowRenewal:
+    """The first extension of a shard's lease answered only after 2.5 s (a renewal botocore is
+    still sending through a short outage), longer than the lease's visibility."""
+
+    def __init__(self) -> None:
+        self.slowed = 0
+
+    def __call__(self, call: Call) -> str:
+        shard = call.held is not None and "arbiter_shard" in call.held.body
+        if call.op == "ChangeMessageVisibility" and shard and not self.slowed:
+            self.slowed += 1
+            return "delay"
+        return "forward"
+
+
+async def test_a_renewal_that_answers_after_the_visibility_ran_out_spends_no_try(
+    endpoint: str,
+) -> None:
+    """One try: a shard's extension still in flight when its visibility ran out (botocore sends
+    it again and again through an outage) recorded nothing until it answered, and by then a free
+    worker had received the message again, past its tries, and failed the shard. The lease is now
+    reported lost half a beat before its visibility ends, whatever the call is doing."""
+    settings = one_try(endpoint)
+    plan = SlowRenewal()
+    engine = lambda n: FakeEngine(delay_s=1.0)  # noqa: E731  4 lines: a shard takes 4 s
+    bad, jobs, _ = await run_fleet(
+        endpoint,
+        settings,
+        plan,
+        {"incoming/slow.jsonl": numbered_body(8)},
+        workers=3,
+        engine=engine,
+    )
+    assert await _failed_shards(endpoint, settings, jobs[0].key, jobs[0].etag) == []
+    assert plan.slowed == 1 and bad == []
 
 
 async def test_a_wait_in_the_backlog_is_not_an_outage(endpoint: str) -> None:
