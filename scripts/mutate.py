@@ -1136,6 +1136,13 @@ MUTATIONS = (
         "                pass\n",
         (QUEUE_OUTAGES + "test_a_job_run_whole_leaves_no_record_of_its_uncounted_receives",),
     ),
+    Mutation(
+        "a-failed-try-counts",
+        "worker/handling.py",
+        "                    await self.uncounted.forget(message)\n",
+        "                    pass\n",
+        (QUEUE_OUTAGES + "test_a_try_that_fails_on_its_own_counts_even_if_its_lease_was_lost",),
+    ),
     # Issue 34: probabilities an application can act on.
     Mutation(
         "prior-corrects-reads",

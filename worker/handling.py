@@ -27,6 +27,7 @@ import structlog
 from worker.dispatch import Dispatch, Failed
 from worker.events import UnreadableMessage, parse_message
 from worker.fanout import Delivery
+from worker.faults import classify
 from worker.jobs import JobFailed, OutOfTries
 from worker.lease import Lease, LeaseLost, stop_together
 from worker.metrics import WorkerMetrics
@@ -146,6 +147,9 @@ class Handler:
             if isinstance(failure, OutOfTries):
                 await self._out_of_tries(message, receive, failure)
             elif failure is not None:
+                if lease.lost is not None and classify(failure).counts:
+                    # Its lease was lost to the queue, but the work failed on its own: a try.
+                    await self.uncounted.forget(message)
                 return await self.dispatch.fail(message, entries, receive, failure)
             elif work.result():
                 await self.replies.dead_letter(message, "permanent")

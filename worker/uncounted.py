@@ -28,7 +28,7 @@ import structlog
 from worker.events import Ignored, JobRef, Ref, UnreadableMessage, parse_message
 from worker.fanout.keys import JobFolder, job_folder
 from worker.faults import describe
-from worker.s3io import delete_prefix, exists, put_json
+from worker.s3io import delete_prefix, delete_quietly, exists, put_json
 from worker.settings import WorkerSettings
 from worker.tries import Receive, Tries
 
@@ -63,20 +63,31 @@ class Uncounted:
             return None
         return job_folder(self.settings, ref.bucket, ref.key, ref.etag or "")
 
+    def _key(self, message: dict[str, Any]) -> str | None:
+        folder = self.folder(message)
+        if folder is None or not message.get("MessageId"):
+            return None
+        return f"{folder.base}uncounted/{message['MessageId']}.{Receive.of(message).raw}"
+
     async def record(self, message: dict[str, Any], why: str) -> None:
         """This receive of ``message`` met a queue fault and is not a try (S3 errors are logged:
         the receive then counts, as before)."""
-        folder = self.folder(message)
-        if folder is None or not message.get("MessageId"):
+        if (key := self._key(message)) is None:
             return
         receive = Receive.of(message).raw
-        key = f"{folder.base}uncounted/{message['MessageId']}.{receive}"
         try:
             await put_json(self.s3, self.settings.bucket, key, {"receive": receive, "why": why})
         except Exception as exc:
             log.warning("receive.uncounted_unrecorded", why=why, error=describe(exc))
             return
         log.warning("receive.uncounted", why=why, receive=receive)
+
+    async def forget(self, message: dict[str, Any]) -> None:
+        """This receive is a try after all: its lease was lost to the queue, but its work then
+        failed on its own (else a poison input whose every receive lost its lease would never
+        spend a try: the campaign's sealed job, on a loaded machine)."""
+        if (key := self._key(message)) is not None:
+            await delete_quietly(self.s3, self.settings.bucket, key)
 
     async def clear(self, message: dict[str, Any]) -> None:
         """After a job message's last answer: its job's records, unless the job was split (its

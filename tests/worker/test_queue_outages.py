@@ -16,7 +16,16 @@ from structlog.testing import capture_logs
 from tests.aws import aws_clients, list_keys, read_object, wait_for
 from tests.fakes import FakeEngine, decision_line
 from tests.faults.proxy import Call, FaultProxy
-from tests.worker.scenarios import Rule, fault_settings, numbered_body, rules, run_fleet
+from tests.worker.fleet import Fleet
+from tests.worker.scenarios import (
+    Rule,
+    drop,
+    fault_settings,
+    numbered_body,
+    rules,
+    run_fleet,
+    versioned_stack,
+)
 from tests.worker.test_pool import WORK, Proc, spawn, stack_settings, worker_env
 from worker.jobs import output_keys
 from worker.settings import WorkerSettings
@@ -183,6 +192,37 @@ async def test_a_renewal_that_answers_after_the_visibility_ran_out_spends_no_try
     )
     assert await _failed_shards(endpoint, settings, jobs[0].key, jobs[0].etag) == []
     assert plan.slowed == 1 and bad == []
+
+
+async def test_a_try_that_fails_on_its_own_counts_even_if_its_lease_was_lost(
+    endpoint: str,
+) -> None:
+    """A receive whose lease was lost to the queue is recorded as uncounted; if its work then
+    fails on its own (here an input the role may not read), it is a try after all. Without that,
+    a job whose every receive lost its lease (slow extensions on a loaded machine: the campaign's
+    seed 1004) was never rejected and hung."""
+    settings = one_try(endpoint, max_receive_count=2, shard_lines=0)
+    sealed = "incoming/sealed.jsonl"
+
+    def decide(call: Call) -> str:
+        if call.key == sealed and call.op == "HeadObject":
+            return "delay"  # 2.5 s: the lease's extension (delayed too) outlives its visibility
+        if call.key == sealed and call.op == "GetObject":
+            return "deny"
+        return "delay" if call.op == "ChangeMessageVisibility" else "forward"
+
+    async with aws_clients(endpoint) as (s3, sqs):
+        await versioned_stack(s3, sqs, settings)
+        job = await drop(s3, settings, sealed, numbered_body(3))
+        keys = output_keys(settings, job.key, job.etag)
+        with capture_logs() as logs:
+            async with Fleet(endpoint, settings, decide, 1):
+
+                async def told() -> bool:
+                    return keys.rejected in await list_keys(s3, "jobs", keys.rejected)
+
+                await wait_for(told, within_s=40)
+    assert "receive.uncounted" in [e["event"] for e in logs]
 
 
 async def test_a_wait_in_the_backlog_is_not_an_outage(endpoint: str) -> None:
