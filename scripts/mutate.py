@@ -1143,6 +1143,14 @@ MUTATIONS = (
         "                    pass\n",
         (QUEUE_OUTAGES + "test_a_try_that_fails_on_its_own_counts_even_if_its_lease_was_lost",),
     ),
+    Mutation(
+        "no-record-after-the-end",
+        "worker/uncounted.py",
+        "            if await self._ended(message):  # its end may have deleted the folder already\n"
+        "                await delete_quietly(self.s3, self.settings.bucket, key)\n",
+        "",
+        (QUEUE_OUTAGES + "test_a_receive_recorded_after_its_jobs_end_leaves_nothing",),
+    ),
     # Issue 34: probabilities an application can act on.
     Mutation(
         "prior-corrects-reads",

@@ -28,6 +28,7 @@ import structlog
 from worker.events import Ignored, JobRef, Ref, UnreadableMessage, parse_message
 from worker.fanout.keys import JobFolder, job_folder
 from worker.faults import describe
+from worker.jobs import output_keys
 from worker.s3io import delete_prefix, delete_quietly, exists, put_json
 from worker.settings import WorkerSettings
 from worker.tries import Receive, Tries
@@ -77,10 +78,21 @@ class Uncounted:
         receive = Receive.of(message).raw
         try:
             await put_json(self.s3, self.settings.bucket, key, {"receive": receive, "why": why})
+            if await self._ended(message):  # its end may have deleted the folder already
+                await delete_quietly(self.s3, self.settings.bucket, key)
         except Exception as exc:
             log.warning("receive.uncounted_unrecorded", why=why, error=describe(exc))
             return
         log.warning("receive.uncounted", why=why, receive=receive)
+
+    async def _ended(self, message: dict[str, Any]) -> bool:
+        """Whether the message's job has its summary (its end deletes the folder: a record
+        written after that would be left behind; one written before goes with the folder)."""
+        ref = self._ref(message)
+        if ref is None or not ref.etag:
+            return False
+        summary = output_keys(self.settings, ref.key, ref.etag).summary
+        return await exists(self.s3, self.settings.bucket, summary)
 
     async def forget(self, message: dict[str, Any]) -> None:
         """This receive is a try after all: its lease was lost to the queue, but its work then

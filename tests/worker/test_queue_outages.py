@@ -30,6 +30,7 @@ from tests.worker.test_pool import WORK, Proc, spawn, stack_settings, worker_env
 from worker.jobs import output_keys
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
+from worker.uncounted import Uncounted
 
 __all__ = ["spawn"]  # the process fixture, shared with test_pool
 
@@ -290,3 +291,25 @@ async def test_a_worker_restarted_during_an_sqs_outage_waits_and_the_pool_lives(
     finally:
         await proxy.close()
     assert not pool.events("pool.crash_loop")
+
+
+async def test_a_receive_recorded_after_its_jobs_end_leaves_nothing(endpoint: str) -> None:
+    """A lease lost (or a release refused) as the job ends elsewhere writes its record into a
+    folder the end has already deleted (the campaign's seeds 1003 and 1009 left one): a record
+    written once the summary exists is deleted at once; one written before goes with the
+    folder."""
+    settings = one_try(endpoint)
+    shard = {"bucket": "jobs", "key": "incoming/e.jsonl", "etag": "e1", "plan": "ab" * 8}
+    body = json.dumps({"arbiter_shard": 2, **shard, "index": 0, "count": 2})
+    message = {"MessageId": "m-1", "Body": body, "Attributes": {"ApproximateReceiveCount": "1"}}
+    async with aws_clients(endpoint) as (s3, sqs):
+        await versioned_stack(s3, sqs, settings)
+        uncounted = Uncounted(s3, settings)
+        await uncounted.record(message, "a lease lost as the job ended")
+        before = await list_keys(s3, "jobs", settings.shard_prefix)
+        summary = output_keys(settings, "incoming/e.jsonl", "e1").summary
+        await s3.put_object(Bucket="jobs", Key=summary, Body=b"{}")
+        await uncounted.record({**message, "MessageId": "m-2"}, "a lease lost after the end")
+        after = await list_keys(s3, "jobs", settings.shard_prefix)
+    assert len(before) == 1 and before[0].endswith("/uncounted/m-1.1")
+    assert after == before  # the second, written after the end, is gone
