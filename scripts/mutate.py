@@ -1151,6 +1151,23 @@ MUTATIONS = (
         "",
         (QUEUE_OUTAGES + "test_a_receive_recorded_after_its_jobs_end_leaves_nothing",),
     ),
+    Mutation(
+        "idle-queue-counts-delayed",
+        "infra/cloudformation/serving.yaml",
+        "          Expression: visible + inflight + delayed\n",
+        "          Expression: visible + inflight\n",
+        ("tests/infra/test_templates.py::test_worker_pool_scales_on_queue_depth_to_zero",),
+    ),
+    Mutation(
+        "idle-tasks-count-delayed",
+        "infra/cloudformation/serving.yaml",
+        "IF(visible == 0 AND delayed == 0 AND inflight > 0, tasks - inflight, 0)",
+        "IF(visible == 0 AND inflight > 0, tasks - inflight, 0)",
+        (
+            "tests/infra/test_templates.py::"
+            "test_worker_pool_scales_in_by_idle_tasks_which_alone_are_unprotected",
+        ),
+    ),
     # Issue 34: probabilities an application can act on.
     Mutation(
         "prior-corrects-reads",
