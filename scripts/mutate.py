@@ -813,8 +813,8 @@ MUTATIONS = (
     Mutation(
         "union-tags-out-of-param",
         "arbiter/lines.py",
-        "    parts = [p for p in first[\"loc\"] if not (isinstance(p, str) and _UNION_TAG.match(p))]",
-        "    parts = list(first[\"loc\"])",
+        '    parts = [p for p in first["loc"] if not (isinstance(p, str) and _UNION_TAG.match(p))]',
+        '    parts = list(first["loc"])',
         (
             "tests/adapter/test_openai_conformance.py::"
             "test_a_bad_content_part_names_the_part_not_the_unions_member",
@@ -1061,10 +1061,7 @@ MUTATIONS = (
         "worker/handling.py",
         "                lambda why: self.uncounted.record(message, why),\n",
         "                None,\n",
-        (
-            QUEUE_OUTAGES
-            + "test_a_lease_lost_to_an_sqs_outage_spends_no_try_and_its_job_goes_on",
-        ),
+        (QUEUE_OUTAGES + "test_a_lease_lost_to_an_sqs_outage_spends_no_try_and_its_job_goes_on",),
     ),
     Mutation(
         "queue-fault-not-a-try",
@@ -1098,10 +1095,7 @@ MUTATIONS = (
         "worker/replies.py",
         "    if not await breaker.wait(stop):\n        return None\n    if fatal:",
         "    await probe()\n    if fatal:",
-        (
-            QUEUE_OUTAGES
-            + "test_a_worker_restarted_during_an_sqs_outage_waits_and_the_pool_lives",
-        ),
+        (QUEUE_OUTAGES + "test_a_worker_restarted_during_an_sqs_outage_waits_and_the_pool_lives",),
     ),
     Mutation(
         "forbidden-object-is-a-rejection",
@@ -1166,6 +1160,16 @@ MUTATIONS = (
         (
             "tests/infra/test_templates.py::"
             "test_worker_pool_scales_in_by_idle_tasks_which_alone_are_unprotected",
+        ),
+    ),
+    Mutation(
+        "protection-window-bounded",
+        "worker/protection.py",
+        "        if busy and self.since is not None and now - self.since >= self.window_s:\n",
+        "        if False:\n",
+        (
+            "tests/worker/test_protection.py::"
+            "test_a_busy_task_is_protected_for_a_window_then_rests_so_a_deployment_gets_in",
         ),
     ),
     # Issue 34: probabilities an application can act on.

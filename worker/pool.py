@@ -199,6 +199,8 @@ class Pool:
             self.settings.task_protection_minutes,
             self.settings.task_protection_idle_s,
             metrics,
+            window_s=self.settings.task_protection_window_minutes * 60,
+            rest_s=self.settings.task_protection_rest_s,
         )
         slots = self.slots
         return asyncio.create_task(protection.run(lambda: any(slots), self._stopping))
