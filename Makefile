@@ -77,16 +77,19 @@ fuzz: $(STAMP)
 	$(BIN)/python -m tests.worker.campaign --seeds $(FUZZ_FAULT_SEEDS) --concurrency 6
 
 # The fan-out under faults (docs/batch-jobs.md, "Exactly once"): the seeded fault campaign
-# (tests/worker/campaign.py; make test runs 24 of its seeds, make fuzz thousands), then the black-box
+# (tests/worker/campaign.py; make test runs 12 of its seeds, make fuzz thousands), then the black-box
 # runs (tests/worker/blackbox.py: arbiter work and arbiter submit behind a faulty proxy, worker
-# processes SIGKILLed at random; then the same through 150 s of 503s on every S3 request, about
-# 4 minutes). A failing seed prints the command that replays it.
+# processes SIGKILLed at random; then the same through 150 s of 503s on every S3 request, through
+# SQS answering 503 for 8 s of every 14 s for 3 minutes, and through 150 s of 503s on the shard
+# inputs' GETs alone, about 4 minutes each). A failing seed prints the command that replays it.
 FAULT_SEEDS ?= 1000:1200
 FUZZ_FAULT_SEEDS ?= 2000:5000
 faults: $(STAMP)
 	$(BIN)/python -m tests.worker.campaign --seeds $(FAULT_SEEDS) --concurrency 6
 	$(BIN)/python -m tests.worker.blackbox
 	$(BIN)/python -m tests.worker.blackbox --scenario outage
+	$(BIN)/python -m tests.worker.blackbox --scenario sqs-flap
+	$(BIN)/python -m tests.worker.blackbox --scenario partial
 
 bench: $(STAMP)
 	$(BIN)/arbiter bench engine
