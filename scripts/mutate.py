@@ -1104,6 +1104,13 @@ MUTATIONS = (
         ("tests/arbiter/test_calibration.py::test_file_round_trip_and_refusals",),
     ),
     Mutation(
+        "margin-within-cost",
+        "evaluation/calibrate.py",
+        'if max_cost is None or row["cost"] is None or row["cost"] <= max_cost',
+        "if True",
+        ("tests/evaluation/test_calibrate.py::test_the_margin_is_the_best_the_cost_affords",),
+    ),
+    Mutation(
         "profile-labels-never-reordered",
         "arbiter/profiles.py",
         "        return isinstance(self.spec.labels, str)",
