@@ -124,7 +124,7 @@ def collect(
                     record["prefix_tokens"] = prompt.get("prefix_tokens")
                     record["model"] = result.get("model")
             records.append(record)
-            if sink is not None:
+            if sink is not None and orders:  # one resumed whole is already where sink wrote it
                 sink(record)
             bar.update(1)
     return records
