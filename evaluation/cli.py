@@ -285,6 +285,24 @@ def _cost(m: dict[str, Any]) -> str:
     return f"{cost:.2f}x" if cost is not None else "–"
 
 
+def _abstention_table(summary: dict[str, Any]) -> list[str]:
+    """Each budget's threshold, fitted on the fit part, held to the held-out part: the share
+    automated there and its error (within the budget, if the bound held)."""
+    lines = [
+        "| error budget | policy | threshold (fitted) | held-out automated | held-out error |",
+        "|---|---|---|---|---|",
+    ]
+    for name in ("adaptive", "single"):
+        for budget, held in (summary[name]["held_out"].get("abstention") or {}).items():
+            threshold = held["threshold"]
+            lines.append(
+                f"| {float(budget):.0%} | {name} "
+                f"| {fmt(threshold) if threshold is not None else 'none (abstains on all)'} "
+                f"| {held['coverage']:.0%} ({held['automated']}) | {fmt(held['error'])} |"
+            )
+    return lines
+
+
 def calibration_summary(summary: dict[str, Any]) -> str:
     """The held-out part before (one raw read at T = 1) and after, per read policy."""
     lines = [
@@ -307,6 +325,7 @@ def calibration_summary(summary: dict[str, Any]) -> str:
             f"| {fmt(m['ece'])} | {flips} | {fmt(m['mean_reads'], 2)} "
             f"| {_cost(m)} | {m['automatable']['0.05']:.0%} | {held} |"
         )
+    lines += ["", *_abstention_table(summary)]
     held = summary["held_out_before"]
     after = summary["adaptive"]["held_out"]
     if held["nll"] is not None and after["nll"] is not None and after["nll"] > held["nll"]:
