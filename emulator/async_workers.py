@@ -111,10 +111,24 @@ class AsyncWorkers:
         left = await _quietly(self.backlog.count())
         log.info("async_stopped", backlog_left=left)
 
+    async def _ready(self) -> bool:
+        """Wait for the container's ping; False once the front is stopping (a worker waiting for
+        a container that never came must not hold the stop for its drain time)."""
+        ready = asyncio.ensure_future(self.readiness.wait())
+        stopping = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (ready, stopping):
+                task.cancel()
+            await asyncio.gather(ready, stopping, return_exceptions=True)
+        return not self.stopping.is_set()
+
     async def _work(self, n: int) -> None:
         while True:
             try:
-                await self.readiness.wait()
+                if not await self._ready():
+                    return
                 held = await self.backlog.take(TAKE_WAIT_S)
             except asyncio.CancelledError:
                 raise

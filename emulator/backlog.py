@@ -22,12 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from botocore.exceptions import ClientError
 
 from arbiter.logging import get_logger
 from emulator.async_request import AsyncRequest
 from emulator.errors import ServiceUnavailable
 
 log = get_logger("arbiter.runtime")
+_EXISTS = {"QueueAlreadyExists", "QueueNameExists"}
 RETENTION_S = 1_209_600  # SQS's longest (14 days): longer than any RequestTTLSeconds (6 h)
 
 
@@ -53,13 +55,22 @@ class Backlog:
 
     @classmethod
     async def open(cls, sqs: Any, name: str, visibility_s: int, max_backlog: int) -> Backlog:
-        """The queue, created if missing (CreateQueue is idempotent for the same attributes)."""
+        """The queue, created if missing, or given these attributes if it has others."""
         attributes = {
             "VisibilityTimeout": str(visibility_s),
             "MessageRetentionPeriod": str(RETENTION_S),
         }
-        made = await sqs.create_queue(QueueName=name, Attributes=attributes)
-        backlog = cls(sqs, made["QueueUrl"], visibility_s, max_backlog)
+        try:
+            url = (await sqs.create_queue(QueueName=name, Attributes=attributes))["QueueUrl"]
+        except ClientError as exc:
+            # Made before with other attributes (ARBITER_RUNTIME_VISIBILITY_S changed since):
+            # CreateQueue refuses, on AWS as in moto; the queue keeps its messages and takes ours.
+            if exc.response.get("Error", {}).get("Code") not in _EXISTS:
+                raise
+            url = (await sqs.get_queue_url(QueueName=name))["QueueUrl"]
+            await sqs.set_queue_attributes(QueueUrl=url, Attributes=attributes)
+            log.info("async_backlog_reconfigured", queue=name, attributes=attributes)
+        backlog = cls(sqs, url, visibility_s, max_backlog)
         await backlog.count()
         return backlog
 

@@ -49,6 +49,11 @@ EVERY = "tests/arbiter/test_every_template.py::"
 ANSWERS = "test_every_template_renders_a_decision_that_ends_where_the_model_answers"
 REFUSALS = "tests/arbiter/test_template_refusals.py::"
 STREAMING = "tests/emulator/test_transform_streaming.py::"
+LOCAL = "tests/worker/test_local_stack.py::"
+LOCAL_ASYNC = (
+    "tests/emulator/test_local.py::"
+    "test_async_requests_accepted_before_a_stop_are_answered_after_the_restart"
+)
 PROCESSING = "tests/emulator/test_transform_dataprocessing.py::"
 
 MUTATIONS = (
@@ -387,8 +392,8 @@ MUTATIONS = (
     Mutation(
         "async-waits-for-ping",
         "emulator/async_workers.py",
-        "                await self.readiness.wait()\n",
-        "",
+        "        ready = asyncio.ensure_future(self.readiness.wait())",
+        "        ready = asyncio.ensure_future(asyncio.sleep(0))",
         (
             "tests/emulator/test_async_durable.py::"
             "test_a_request_sent_while_the_model_loads_is_answered_once_it_is_up",
@@ -812,8 +817,8 @@ MUTATIONS = (
     Mutation(
         "union-tags-out-of-param",
         "arbiter/lines.py",
-        "    parts = [p for p in first[\"loc\"] if not (isinstance(p, str) and _UNION_TAG.match(p))]",
-        "    parts = list(first[\"loc\"])",
+        '    parts = [p for p in first["loc"] if not (isinstance(p, str) and _UNION_TAG.match(p))]',
+        '    parts = list(first["loc"])',
         (
             "tests/adapter/test_openai_conformance.py::"
             "test_a_bad_content_part_names_the_part_not_the_unions_member",
@@ -1112,6 +1117,84 @@ MUTATIONS = (
             "tests/arbiter/test_profiles.py::"
             "test_a_profile_sets_the_instruction_layout_labels_and_cue",
         ),
+    ),
+    # Issue 37: the local stack as one thing.
+    Mutation(
+        "local-stops-while-the-demo-waits",
+        "worker/local.py",
+        "                await _first(demo, exited, stopped)",
+        "                await demo",
+        (LOCAL + "test_a_signal_stops_the_stack_while_it_waits_for_the_example_job",),
+    ),
+    Mutation(
+        "local-ports-follow-the-base",
+        "worker/local_ports.py",
+        "        return 0 if base == 0 else base + OFFSETS[name]",
+        '        return 0 if base == 0 else {"container": base, "runtime": 8081, "s3": 4569, '
+        '"metrics": 9108}[name]',
+        (LOCAL + "test_every_port_follows_the_base_and_two_bases_share_none",),
+    ),
+    Mutation(
+        "runtime-calls-its-own-container",
+        "worker/local.py",
+        '        env["ARBITER_RUNTIME_CONTAINER_URL"] = container_url(settings, ports)',
+        '        env.setdefault("ARBITER_RUNTIME_CONTAINER_URL", "http://127.0.0.1:8080")',
+        (LOCAL + "test_the_parts_are_told_their_ports_and_the_runtime_its_own_container",),
+    ),
+    Mutation(
+        "local-refuses-a-busy-port",
+        "worker/local_ports.py",
+        "        sock = bind(part.host, part.port, part.name, part.variable)",
+        "        sock = bind(part.host, 0, part.name, part.variable)",
+        (
+            LOCAL + "test_a_busy_port_is_refused_naming_the_part_and_the_base",
+            LOCAL + "test_a_busy_port_is_one_line_before_any_model_loads[local]",
+        ),
+    ),
+    Mutation(
+        "serve-binds-before-loading",
+        "adapter/serve.py",
+        '    sock = bind(server_settings.host, server_settings.port, "the container", "ARBITER_PORT")',
+        '    sock = bind(server_settings.host, 0, "the container", "ARBITER_PORT")',
+        (LOCAL + "test_a_busy_port_is_one_line_before_any_model_loads[serve]",),
+    ),
+    Mutation(
+        "local-up-once-answering",
+        "worker/local_watch.py",
+        "    pending = _checks(ports, container_url, processes)",
+        "    pending: dict[str, Check] = {}",
+        (LOCAL + "test_the_stack_says_up_only_once_each_part_answers",),
+    ),
+    Mutation(
+        "local-stops-when-a-part-dies",
+        "worker/local.py",
+        "        exited = asyncio.create_task(first_exit(children))",
+        "        exited = asyncio.create_task(asyncio.sleep(3600, ('', 0)))",
+        (LOCAL + "test_up_is_said_once_the_parts_answer_and_a_part_that_dies_stops_the_stack",),
+    ),
+    Mutation(
+        "runtime-stops-while-waiting-for-ping",
+        "emulator/async_workers.py",
+        "                if not await self._ready():",
+        "                if not await self.readiness.wait() and False:",
+        (
+            "tests/emulator/test_async_durable.py::"
+            "test_a_front_waiting_for_a_container_that_never_came_stops_at_once",
+        ),
+    ),
+    Mutation(
+        "local-state-restored",
+        "worker/local.py",
+        "            restored = local_state.load(state)  # refused in one line before anything starts",
+        "            restored = None",
+        (LOCAL_ASYNC,),
+    ),
+    Mutation(
+        "local-state-keeps-bucket-owners",
+        "worker/local_state.py",
+        '            "shared": {k: v for k, v in vars(backend).items() if isinstance(v, dict)},',
+        '            "shared": {},',
+        (LOCAL_ASYNC,),
     ),
     Mutation(
         "logs-to-the-current-stderr",

@@ -22,6 +22,7 @@ serializes every use of the context. The work is done by one module per concern:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,10 +76,18 @@ class Engine:
         self.resolved = resolved or resolve_model(settings.model, settings.model_dir)
         if self.resolved.source == "bundled":
             log.warning("bundled_model", notice=BUNDLED_NOTICE)
-        self.sha256 = verify(self.resolved)
         # Checked against the model's tensors before llama.cpp loads anything.
         self.adapters = resolve_adapters(settings.lora, self.resolved, settings.model_dir)
         self.profile = resolve_profile(settings.prompt_profile, self.resolved)  # a bad one: at once
+        started = time.perf_counter()
+        # Each step of a load says so as it starts (its refusals above stay one line): a 1.5B
+        # model's checksum, load and read check take tens of seconds that used to pass in silence.
+        log.info(
+            "model_loading",
+            model=self.resolved.path.name,
+            mb=round(self.resolved.path.stat().st_size / 1e6, 1),
+        )
+        self.sha256 = verify(self.resolved)
         # Serializes everything that uses the context; tokenizing runs outside it (chat prompts
         # are tokenized in their admission slot) under the model's own lock.
         self._lock = threading.Lock()
@@ -103,6 +112,7 @@ class Engine:
             self.calibration = load_calibration(
                 settings, self.sha256, self.resolved, self.profile.sha256
             )
+            log.info("model_weights_loaded", seconds=round(time.perf_counter() - started, 2))
         except BaseException:
             self.llama.close()  # a model refused part-way through loading frees what it had
             raise

@@ -186,6 +186,27 @@ def test_six_requests_a_sigterm_and_a_restart_all_six_answered(endpoint: str, dr
     assert completed == {c["InferenceId"] for c in calls}
 
 
+def test_a_front_waiting_for_a_container_that_never_came_stops_at_once(endpoint: str) -> None:
+    """Its workers wait on the container's ping; a SIGTERM ends that wait, not the drain time
+    (`arbiter local`'s Ctrl-C took 11 s while the runtime waited out 5 s of drain and 6 of take)."""
+    make_bucket(endpoint)
+    env = environ_without("ARBITER_", "AWS_")
+    env.update(
+        PYTHONPATH=str(ROOT),
+        ARBITER_AWS_ENDPOINT_URL=endpoint,
+        ARBITER_RUNTIME_PORT=str(free_port()),
+        ARBITER_RUNTIME_CONTAINER_URL=f"http://127.0.0.1:{free_port()}",
+        ARBITER_RUNTIME_DRAIN_S="10",
+    )
+    with runtime_process(env) as (front_process, lines):
+        time.sleep(1.0)  # the workers are in their ping backoff
+        front_process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert front_process.wait(timeout=30) == 0, "".join(lines)
+        took = time.monotonic() - started
+    assert took < 3, f"{took:.1f} s"
+
+
 def _failing(prefixes: tuple[str, ...]) -> Any:
     def decide(call: Any) -> str:
         if call.service == "s3" and call.op == "PutObject" and call.key.startswith(prefixes):
