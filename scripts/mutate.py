@@ -50,6 +50,8 @@ ANSWERS = "test_every_template_renders_a_decision_that_ends_where_the_model_answ
 REFUSALS = "tests/arbiter/test_template_refusals.py::"
 STREAMING = "tests/emulator/test_transform_streaming.py::"
 LOCAL = "tests/worker/test_local_stack.py::"
+SUBMIT = "tests/worker/test_submit.py::"
+SMALL_JOB = "test_a_small_job_shows_queued_then_its_lines_and_a_repeat_says_it_is_an_earlier_run"
 LOCAL_ASYNC = (
     "tests/emulator/test_local.py::"
     "test_async_requests_accepted_before_a_stop_are_answered_after_the_restart"
@@ -1195,6 +1197,30 @@ MUTATIONS = (
         '            "shared": {k: v for k, v in vars(backend).items() if isinstance(v, dict)},',
         '            "shared": {},',
         (LOCAL_ASYNC,),
+    ),
+    Mutation(
+        "submit-refuses-what-the-worker-ignores",
+        "worker/submit.py",
+        "    if refused is not None:\n        raise ArbiterError(",
+        "    if False:\n        raise ArbiterError(",
+        (
+            SUBMIT + "test_a_file_the_worker_ignores_is_refused_before_it_is_uploaded",
+            SUBMIT + "test_the_command_refuses_it_in_one_line_at_once",
+        ),
+    ),
+    Mutation(
+        "a-small-job-shows-its-progress",
+        "worker/jobs.py",
+        "        progress = Progress(s3, settings.bucket, keys.status)",
+        "        progress = Progress(s3, settings.bucket, keys.status, every_s=1e9)",
+        (SUBMIT + SMALL_JOB,),
+    ),
+    Mutation(
+        "submit-says-an-earlier-run",
+        "worker/submit.py",
+        '    if head["LastModified"] < uploaded:',
+        "    if False:",
+        (SUBMIT + SMALL_JOB,),
     ),
     Mutation(
         "logs-to-the-current-stderr",
