@@ -1218,7 +1218,7 @@ MUTATIONS = (
     Mutation(
         "submit-says-an-earlier-run",
         "worker/submit.py",
-        '    if head["LastModified"] < uploaded:',
+        "    if written < uploaded or (same_second and finished is not None and finished < sent_at):",
         "    if False:",
         (SUBMIT + SMALL_JOB,),
     ),

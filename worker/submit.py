@@ -12,6 +12,7 @@ import asyncio
 import json
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,7 @@ async def submit(
     total = await asyncio.to_thread(count_lines, path) if progress else None
     async with get_session().create_client("s3", **settings.client_kwargs()) as s3:
         data = await asyncio.to_thread(path.read_bytes)
+        sent_at = datetime.now(UTC)
         meta = {SHARD_LINES_METADATA: str(shard_lines)} if shard_lines else {}
         put = await s3.put_object(Bucket=settings.bucket, Key=key, Body=data, Metadata=meta)
         etag = normalize_etag(put["ETag"]) or ""
@@ -117,7 +119,9 @@ async def submit(
                 got = await get_json(s3, settings.bucket, keys.summary)
                 if got is not None:
                     summary: dict[str, Any] = got[0]
-                    await _say_if_earlier(s3, settings.bucket, keys.summary, uploaded, summary)
+                    await _say_if_earlier(
+                        s3, settings.bucket, keys.summary, uploaded, sent_at, summary
+                    )
                     if bar is not None:
                         final = await get_json(s3, settings.bucket, status_key(keys))
                         lines = {
@@ -146,11 +150,18 @@ async def submit(
 
 
 async def _say_if_earlier(
-    s3: Any, bucket: str, key: str, uploaded: Any, summary: dict[str, Any]
+    s3: Any, bucket: str, key: str, uploaded: Any, sent_at: datetime, summary: dict[str, Any]
 ) -> None:
-    """An unchanged file has the same ETag, so its summary is an earlier run's: say so."""
+    """An unchanged file has the same ETag, so its summary is an earlier run's: say so. S3 dates
+    objects to the second; within the upload's second, the summary's own time decides."""
     head = await s3.head_object(Bucket=bucket, Key=key)
-    if head["LastModified"] < uploaded:
+    written = head["LastModified"]
+    same_second = written == uploaded
+    try:
+        finished = datetime.fromisoformat(str(summary.get("finished_at")))
+    except ValueError:
+        finished = None
+    if written < uploaded or (same_second and finished is not None and finished < sent_at):
         print(
             f"arbiter submit: this file is unchanged since an earlier run (same ETag): the summary "
             f"is that run's, finished at {summary.get('finished_at', '?')}; nothing was run again "
