@@ -28,6 +28,7 @@ async def _serve(settings: RuntimeSettings) -> int:
     from arbiter.errors import ArbiterError
     from arbiter.ports import bind
     from emulator.app import create_app
+    from emulator.protocol import FrontRunner
     from emulator.state import FRONT
 
     try:  # the port first: taken, it is one line before a queue or topic is touched
@@ -37,7 +38,7 @@ async def _serve(settings: RuntimeSettings) -> int:
         return 2
     app = create_app(settings)
     # handler_cancellation: a caller that hangs up cancels its container call too.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = FrontRunner(app, settings.body_timeout_s, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.SockSite(runner, sock)
     await site.start()

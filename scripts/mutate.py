@@ -51,6 +51,14 @@ REFUSALS = "tests/arbiter/test_template_refusals.py::"
 STREAMING = "tests/emulator/test_transform_streaming.py::"
 LOCAL = "tests/worker/test_local_stack.py::"
 SUBMIT = "tests/worker/test_submit.py::"
+SAFETY = "tests/emulator/test_front_safety.py::"
+PATTERNS = (
+    "tests/emulator/test_transform.py::test_the_dry_run_refuses_what_sagemakers_patterns_refuse"
+)
+RECOVERS = (
+    "tests/emulator/test_async_durable.py::"
+    "test_the_front_recovers_when_its_s3_and_sqs_server_restarts_empty"
+)
 SMALL_JOB = "test_a_small_job_shows_queued_then_its_lines_and_a_repeat_says_it_is_an_earlier_run"
 LOCAL_ASYNC = (
     "tests/emulator/test_local.py::"
@@ -1221,6 +1229,125 @@ MUTATIONS = (
         "    if written < uploaded or (same_second and finished is not None and finished < sent_at):",
         "    if False:",
         (SUBMIT + SMALL_JOB,),
+    ),
+    Mutation(
+        "async-busy-is-not-an-answer",
+        "emulator/async_workers.py",
+        '                head = await _busy_check(reply) if status == 503 else b""',
+        '                head = b""',
+        (
+            "tests/emulator/test_async.py::"
+            "test_a_container_busy_with_real_time_traffic_delays_an_async_request_not_fails_it",
+        ),
+    ),
+    Mutation(
+        "backlog-queue-reconfigured",
+        "emulator/backlog.py",
+        '            if exc.response.get("Error", {}).get("Code") not in _EXISTS:',
+        "            if True:",
+        (
+            "tests/emulator/test_async.py::"
+            "test_a_changed_visibility_setting_reconfigures_the_backlog_queue",
+        ),
+    ),
+    Mutation(
+        "job-queue-reconfigured",
+        "worker/stack.py",
+        '        if exc.response.get("Error", {}).get("Code") not in _EXISTS:',
+        "        if True:",
+        (LOCAL + "test_the_job_queue_takes_changed_settings_and_keeps_its_messages",),
+    ),
+    Mutation(
+        "transform-refuses-real-s3",
+        "emulator/cli.py",
+        "        _local_store_named()\n",
+        "",
+        (
+            "tests/emulator/test_front_safety.py::"
+            "test_a_local_transform_without_a_local_endpoint_refuses_real_s3_in_one_line",
+        ),
+    ),
+    Mutation(
+        "backlog-recreated-when-gone",
+        "emulator/backlog.py",
+        "        if code not in _GONE or not self.name:",
+        "        if True:",
+        (RECOVERS,),
+    ),
+    Mutation(
+        "topics-recreated-when-gone",
+        "emulator/notify.py",
+        "            if _topic_gone(exc):",
+        "            if False:",
+        (RECOVERS,),
+    ),
+    Mutation(
+        "unreadable-backlog-message-answered",
+        "emulator/backlog.py",
+        '                named = salvage(message["Body"], time.time())',
+        "                named = None",
+        (
+            "tests/emulator/test_async.py::"
+            "test_a_backlog_message_that_cannot_be_read_but_names_its_locations_is_answered",
+        ),
+    ),
+    Mutation(
+        "unrecorded-waits-for-the-store",
+        "emulator/async_workers.py",
+        "        if held.unreadable is None and not await self.gate.open(request.output.bucket):",
+        "        if False:",
+        (
+            "tests/emulator/test_async_durable.py::"
+            "test_an_outcome_that_cannot_be_recorded_waits_for_the_store_not_the_model",
+        ),
+    ),
+    Mutation(
+        "async-input-limit-enforced",
+        "emulator/async_workers.py",
+        "        if size > most:  # documented, and now enforced: before, 1.1 GB was answered",
+        "        if False:",
+        (
+            "tests/emulator/test_async.py::"
+            "test_an_input_over_the_1_gb_limit_fails_without_reaching_the_container",
+        ),
+    ),
+    Mutation(
+        "dry-run-checks-patterns",
+        "infra/transform.py",
+        "        if pattern is not None and not compiled(pattern).fullmatch(value):",
+        "        if False:",
+        (PATTERNS,),
+    ),
+    Mutation(
+        "java-dot-matches-no-newline",
+        "infra/patterns.py",
+        '            if text[i] == "." and not in_class:',
+        "            if False:",
+        (PATTERNS,),
+    ),
+    Mutation(
+        "stream-idle-sees-what-waits-unread",
+        "emulator/realtime.py",
+        "            watch = asyncio.create_task(_until_stalled(request, written, idle))",
+        "            watch = asyncio.create_task(asyncio.sleep(0))",
+        (
+            SAFETY
+            + "test_a_slow_stream_to_a_client_that_reads_nothing_is_dropped_within_the_idle_time",
+        ),
+    ),
+    Mutation(
+        "request-headers-timed",
+        "emulator/protocol.py",
+        "        self._timer = self._loop.call_later(self.header_timeout_s, self._late)",
+        "        self._timer = None",
+        (SAFETY + "test_headers_sent_slowly_are_answered_408_and_the_connection_closed",),
+    ),
+    Mutation(
+        "unparsable-request-is-a-validation-error",
+        "emulator/protocol.py",
+        "        if status != 400:",
+        "        if True:",
+        (SAFETY + "test_headers_over_aiohttps_limit_are_a_validation_error_boto3_reads",),
     ),
     Mutation(
         "logs-to-the-current-stderr",

@@ -11,6 +11,8 @@ from botocore.exceptions import ClientError
 from worker.settings import WorkerSettings
 from worker.tries import REDRIVE_MARGIN
 
+_EXISTS = {"QueueAlreadyExists", "QueueNameExists"}  # moto's code; AWS's query-compatible one
+
 
 async def ensure_stack(s3: Any, sqs: Any, settings: WorkerSettings) -> dict[str, str]:
     """Create (idempotently) the bucket, the dead-letter queue, the job queue with a redrive
@@ -70,10 +72,7 @@ async def ensure_queue(sqs: Any, name: str, attributes: dict[str, str]) -> str:
     try:
         return str((await sqs.create_queue(QueueName=name, Attributes=attributes))["QueueUrl"])
     except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") not in {
-            "QueueAlreadyExists",
-            "QueueNameExists",
-        }:
+        if exc.response.get("Error", {}).get("Code") not in _EXISTS:
             raise
     url = str((await sqs.get_queue_url(QueueName=name))["QueueUrl"])
     if attributes:

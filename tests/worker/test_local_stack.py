@@ -155,3 +155,23 @@ def test_the_stack_says_up_only_once_each_part_answers() -> None:
         assert "worker.ready" in before
     finally:
         assert stack.close() == 0, stack.text()
+
+
+async def test_the_job_queue_takes_changed_settings_and_keeps_its_messages(endpoint: str) -> None:
+    """A kept state (or a queue made before) meets a changed ARBITER_VISIBILITY_TIMEOUT_S: the
+    queue is given it, its messages stay (CreateQueue alone refused it, QueueAlreadyExists)."""
+    from tests.aws import aws_clients, receive_all
+    from tests.worker.support import settings_for
+    from worker.stack import ensure_stack
+
+    async with aws_clients(endpoint) as (s3, sqs):
+        first = await ensure_stack(s3, sqs, settings_for(endpoint, visibility_timeout_s=30))
+        await sqs.send_message(QueueUrl=first["queue_url"], MessageBody="kept")
+        again = await ensure_stack(s3, sqs, settings_for(endpoint, visibility_timeout_s=90))
+        got = await sqs.get_queue_attributes(
+            QueueUrl=again["queue_url"], AttributeNames=["VisibilityTimeout"]
+        )
+        bodies = [m["Body"] for m in await receive_all(sqs, again["queue_url"])]
+    assert again["queue_url"] == first["queue_url"]
+    assert got["Attributes"]["VisibilityTimeout"] == "90"
+    assert "kept" in bodies
