@@ -8,6 +8,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from structlog.typing import FilteringBoundLogger
 
@@ -108,7 +109,10 @@ async def _serve(
     from adapter.state import STATE
     from arbiter.engine import Engine
 
-    app = create_app(server_settings, lambda: Engine(engine_settings))
+    def progress(event: str, fields: dict[str, Any]) -> None:  # each step of the load, as it starts
+        log.info(event, **fields)
+
+    app = create_app(server_settings, lambda: Engine(engine_settings, progress=progress))
     # handler_cancellation: a client that disconnects cancels its handler, so it leaves the queue.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()

@@ -78,7 +78,7 @@ class LocalSettings(BaseSettings):
         "$XDG_STATE_HOME/arbiter/local, else ~/.local/state/arbiter/local; empty: not kept).",
     )
     drain_s: float = Field(
-        default=5.0,
+        default=2.0,
         ge=0,
         description="At Ctrl-C or SIGTERM, the time each part has to finish what it holds before "
         "it hands it back (unless ARBITER_DRAIN_DEADLINE_S / ARBITER_RUNTIME_DRAIN_S say).",

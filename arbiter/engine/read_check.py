@@ -232,7 +232,6 @@ def run(
     if mode == "off":
         return ReadCheck(mode, min_allowed_mass, None, (), 0.0, min_ratio)
     probes = probes_for(probing.labels)
-    log.info("read_check_started", probes=len(probes), reference=probing.reference is not None)
     started = time.perf_counter()
     results = _outcomes(probing.score, probes)
     reference = _outcomes(probing.reference, probes) if probing.reference else []
