@@ -1350,6 +1350,16 @@ MUTATIONS = (
         (SAFETY + "test_headers_over_aiohttps_limit_are_a_validation_error_boto3_reads",),
     ),
     Mutation(
+        "serve-says-its-load-steps",
+        "adapter/serve.py",
+        "Engine(engine_settings, progress=progress)",
+        "Engine(engine_settings)",
+        (
+            "tests/emulator/test_local.py::"
+            "test_two_stacks_side_by_side_each_answer_with_their_own_model",
+        ),
+    ),
+    Mutation(
         "logs-to-the-current-stderr",
         "arbiter/logging.py",
         "        out = self._stream or sys.stderr",

@@ -170,7 +170,9 @@ def test_two_stacks_side_by_side_each_answer_with_their_own_model(tmp_path: Path
             stacks.append((base, Local(["--no-work"], env)))
         files = []
         for base, stack in stacks:
-            stack.wait_for(lambda line: "arbiter local is up" in line, within_s=300)
+            up = stack.wait_for(lambda line: "arbiter local is up" in line, within_s=300)
+            said = stack.text()[: stack.text().index(up)]  # the load's steps, before "up"
+            assert all(step in said for step in ("model_loading", "read_check_started")), said
             client = runtime(f"http://127.0.0.1:{base + 1}")
             got = client.invoke_endpoint(
                 EndpointName="arbiter",
