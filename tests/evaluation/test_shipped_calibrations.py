@@ -29,7 +29,9 @@ def _close(got: Any, want: Any, where: str = "") -> None:
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             _close(g, w, f"{where}[{i}]")
     elif isinstance(want, float):
-        assert isinstance(got, int | float) and math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9), (
+        assert isinstance(got, int | float) and math.isclose(
+            got, want, rel_tol=1e-6, abs_tol=1e-9
+        ), (
             where,
             got,
             want,
