@@ -77,7 +77,7 @@ fuzz: $(STAMP)
 	$(BIN)/python -m tests.worker.campaign --seeds $(FUZZ_FAULT_SEEDS) --concurrency 6
 
 # The fan-out under faults (docs/batch-jobs.md, "Exactly once"): the seeded fault campaign
-# (tests/worker/campaign.py; make test runs 24 of its seeds, make fuzz thousands), then the black-box
+# (tests/worker/campaign.py; make test runs 12 of its seeds, make fuzz 3,000), then the black-box
 # runs (tests/worker/blackbox.py: arbiter work and arbiter submit behind a faulty proxy, worker
 # processes SIGKILLed at random; then the same through 150 s of 503s on every S3 request, about
 # 4 minutes). A failing seed prints the command that replays it.
