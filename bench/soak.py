@@ -33,6 +33,9 @@ import numpy as np
 
 from bench.served import Served, metric, served
 
+# `--smoke` (make bench-smoke): the smallest size that runs every row.
+SMOKE: dict[str, Any] = {"minutes": 0.25, "clients": 2}
+
 MB = 1024 * 1024
 JSON = {"Content-Type": "application/json"}
 JSONL = {"Content-Type": "application/jsonlines"}
