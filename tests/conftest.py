@@ -24,6 +24,9 @@ os.environ.setdefault("ARBITER_N_THREADS", str(TEST_THREADS))
 # The tests keep the small bundled models: a catalog model installed on this machine (which every
 # command would load by default) is out of their sight, in their processes and those they start.
 os.environ.setdefault("ARBITER_MODEL_STORE", tempfile.mkdtemp(prefix="arbiter-test-store-"))
+# `arbiter local` keeps its S3 + SQS state between runs; a stack a test starts keeps it here, never
+# in the user's own state directory (where it would be restored into their next `make run`).
+os.environ.setdefault("ARBITER_LOCAL_STATE_DIR", tempfile.mkdtemp(prefix="arbiter-test-state-"))
 
 # Logs go to stderr as every command sends them (arbiter.logging), also from engines a test loads
 # before any command has run: never onto a stdout a test reads as a command's answers.
