@@ -65,6 +65,7 @@ LOCAL_ASYNC = (
     "test_async_requests_accepted_before_a_stop_are_answered_after_the_restart"
 )
 PROCESSING = "tests/emulator/test_transform_dataprocessing.py::"
+QUEUE_OUTAGES = "tests/worker/test_queue_outages.py::"
 
 MUTATIONS = (
     Mutation(
@@ -1067,6 +1068,123 @@ MUTATIONS = (
         (
             "tests/worker/test_protection.py::"
             "test_the_pool_protects_its_task_while_a_worker_holds_a_message",
+        ),
+    ),
+    # Issue 36: the fan-out through queue outages.
+    Mutation(
+        "lost-lease-not-a-try",
+        "worker/handling.py",
+        "                lambda why: self.uncounted.record(message, why),\n",
+        "                None,\n",
+        (QUEUE_OUTAGES + "test_a_lease_lost_to_an_sqs_outage_spends_no_try_and_its_job_goes_on",),
+    ),
+    Mutation(
+        "queue-fault-not-a-try",
+        "worker/replies.py",
+        '            await self._uncounted(message, f"its release was not sent: {error}")\n',
+        "",
+        (QUEUE_OUTAGES + "test_a_receive_given_back_while_sqs_is_down_spends_no_try",),
+    ),
+    Mutation(
+        "outage-clock-measures-the-outage",
+        "worker/tries.py",
+        "        return receive.outage_s + min(gap, given + self.lag_s)\n",
+        "        return receive.outage_s + gap\n",
+        (
+            "tests/worker/test_events.py::test_the_outage_clock_measures_the_outage_not_the_wait",
+            QUEUE_OUTAGES + "test_a_wait_in_the_backlog_is_not_an_outage",
+        ),
+    ),
+    Mutation(
+        "race-is-no-outage",
+        "worker/faults.py",
+        "    fault = Fault.RACE\n",
+        "    fault = Fault.STORE\n",
+        (
+            "tests/worker/test_fanout_ends.py::"
+            "test_an_end_of_job_race_opens_no_breaker_and_logs_no_error",
+        ),
+    ),
+    Mutation(
+        "queue-breaker-at-start-up",
+        "worker/replies.py",
+        "    if not await breaker.wait(stop):\n        return None\n    if fatal:",
+        "    await probe()\n    if fatal:",
+        (QUEUE_OUTAGES + "test_a_worker_restarted_during_an_sqs_outage_waits_and_the_pool_lives",),
+    ),
+    Mutation(
+        "forbidden-object-is-a-rejection",
+        "worker/jobs.py",
+        "        if is_object_denied(exc):\n"
+        '            raise InputDenied(f"the input {where} cannot be read: {exc}", found.keys) from exc\n',
+        "",
+        (
+            "tests/worker/test_outages.py::"
+            "test_an_input_the_role_may_not_read_is_rejected_with_its_record",
+        ),
+    ),
+    Mutation(
+        "rerun-gets-its-records",
+        "worker/fanout/deadletters.py",
+        '            ours = found.get("run", claim["run"]) == claim["run"]  # not an earlier run\'s\n',
+        "            ours = True\n",
+        ("tests/worker/test_fanout_ends.py::test_a_reruns_failed_shard_gets_its_own_dlq_record",),
+    ),
+    Mutation(
+        "lease-lost-before-the-visibility-ends",
+        "worker/lease.py",
+        "            if not done:\n"
+        '                await self._lost("an extension did not answer before the visibility ran out")\n',
+        "",
+        (QUEUE_OUTAGES + "test_a_renewal_that_answers_after_the_visibility_ran_out_spends_no_try",),
+    ),
+    Mutation(
+        "whole-job-clears-its-records",
+        "worker/handling.py",
+        "                await self.uncounted.clear(message)  # a job run whole leaves no folder to go with\n",
+        "                pass\n",
+        (QUEUE_OUTAGES + "test_a_job_run_whole_leaves_no_record_of_its_uncounted_receives",),
+    ),
+    Mutation(
+        "a-failed-try-counts",
+        "worker/handling.py",
+        "                    await self.uncounted.forget(message)\n",
+        "                    pass\n",
+        (QUEUE_OUTAGES + "test_a_try_that_fails_on_its_own_counts_even_if_its_lease_was_lost",),
+    ),
+    Mutation(
+        "no-record-after-the-end",
+        "worker/uncounted.py",
+        "            if await self._ended(message):  # its end may have deleted the folder already\n"
+        "                await delete_quietly(self.s3, self.settings.bucket, key)\n",
+        "",
+        (QUEUE_OUTAGES + "test_a_receive_recorded_after_its_jobs_end_leaves_nothing",),
+    ),
+    Mutation(
+        "idle-queue-counts-delayed",
+        "infra/cloudformation/serving.yaml",
+        "          Expression: visible + inflight + delayed\n",
+        "          Expression: visible + inflight\n",
+        ("tests/infra/test_templates.py::test_worker_pool_scales_on_queue_depth_to_zero",),
+    ),
+    Mutation(
+        "idle-tasks-count-delayed",
+        "infra/cloudformation/serving.yaml",
+        "IF(visible == 0 AND delayed == 0 AND inflight > 0, tasks - inflight, 0)",
+        "IF(visible == 0 AND inflight > 0, tasks - inflight, 0)",
+        (
+            "tests/infra/test_templates.py::"
+            "test_worker_pool_scales_in_by_idle_tasks_which_alone_are_unprotected",
+        ),
+    ),
+    Mutation(
+        "protection-window-bounded",
+        "worker/protection.py",
+        "        if busy and self.since is not None and now - self.since >= self.window_s:\n",
+        "        if False:\n",
+        (
+            "tests/worker/test_protection.py::"
+            "test_a_busy_task_is_protected_for_a_window_then_rests_so_a_deployment_gets_in",
         ),
     ),
     # Issue 34: probabilities an application can act on.

@@ -15,7 +15,7 @@ import structlog
 from worker.events import Ignored, Ref, ShardRef
 from worker.fanout import Delivery, FanOut
 from worker.faults import Fault, classify, describe
-from worker.jobs import JobRejected, JobReport, write_rejection
+from worker.jobs import InputDenied, JobRejected, JobReport, write_rejection
 from worker.metrics import WorkerMetrics
 from worker.replies import Replies
 from worker.tries import Receive, Tries
@@ -49,12 +49,20 @@ class Dispatch:
                 continue
             try:
                 await self.run(entry, delivery)
+            except InputDenied as exc:
+                if not self.tries.last(delivery.receive_count):
+                    raise  # counts: backed off, read again (a grant may be on its way)
+                tried = f"{exc} (refused on each of its {delivery.receive_count} tries)"
+                rejected.append(await self._reject(entry, JobRejected(tried, exc.keys)))
             except JobRejected as exc:
-                log.error("job.rejected", key=entry.key, reason=str(exc))
-                await write_rejection(self.fanout.s3, self.fanout.bucket, entry, exc)
-                self.metrics.jobs.labels("rejected").inc()
-                rejected.append(str(exc))
+                rejected.append(await self._reject(entry, exc))
         return rejected
+
+    async def _reject(self, entry: Ref, exc: JobRejected) -> str:
+        log.error("job.rejected", key=entry.key, reason=str(exc))
+        await write_rejection(self.fanout.s3, self.fanout.bucket, entry, exc)
+        self.metrics.jobs.labels("rejected").inc()
+        return str(exc)
 
     async def run(self, ref: Ref, delivery: Delivery) -> JobReport:
         started = time.perf_counter()
@@ -88,14 +96,24 @@ class Dispatch:
         exc: BaseException,
     ) -> Failed:
         """A failed receive: a failure of the work counts (:meth:`_counted`); a store or queue
-        fault gives the message back without spending a try (:meth:`_outage`)."""
+        fault gives the message back without spending a try (:meth:`_outage`), and so does an
+        end-of-job race (:meth:`_busy`)."""
         failed = Failed(classify(exc), describe(exc))
         refs = [e for e in entries if not isinstance(e, Ignored)]
         if failed.fault.counts:
             await self._counted(message, refs, receive, failed.error)
+        elif failed.fault is Fault.RACE:
+            await self._busy(message, receive, failed)
         else:
             await self._outage(message, refs, receive, failed)
         return failed
+
+    async def _busy(self, message: dict[str, Any], receive: Receive, failed: Failed) -> None:
+        """Another worker is doing this step now (:class:`worker.faults.Busy`): given back after
+        a backoff that grows with each such receive; no try, no outage clock, no error line."""
+        delay = self.tries.outage_delay(receive)
+        log.info("message.busy", error=failed.error, retry_in_s=delay)
+        await self.replies.release(message, self.tries.carried(receive, busy=True), delay)
 
     async def _counted(
         self, message: dict[str, Any], refs: list[Ref], receive: Receive, why: str

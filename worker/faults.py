@@ -12,7 +12,11 @@ length burns no message (issue 27: 75 s of 503s on the shard inputs turned 8 of 
 
 A 403 is the store's: S3 answers it to a role without a grant, and the fix is a deploy, never a
 change of the data (a read of a missing key under a role without ``s3:ListBucket`` is resolved to
-"missing" before it gets here, :func:`worker.s3io.gone`).
+"missing" before it gets here, :func:`worker.s3io.gone`). But not a 403 (or a KMS refusal) on the
+read of one job's input that a listing shows is there: that is the object's own (its key, its ACL,
+a policy on its tags), raised as :class:`worker.jobs.InputDenied` with ``fault = Fault.WORK``, and
+its job is rejected on its last try, with its record (issue 36: it was held for a day as an outage,
+then dead-lettered without one). An exception that names its own ``fault`` is taken at its word.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class Fault(StrEnum):
     WORK = "work"  # the engine or the data: counts towards the give-up
     STORE = "store"  # S3 unavailable, throttling, denied: retried, never counted
     QUEUE = "queue"  # SQS likewise
+    RACE = "race"  # another worker is doing this step now: retried, never counted, no breaker
 
     @property
     def counts(self) -> bool:
@@ -47,6 +52,15 @@ class QueueRefused(Transient):
     """SQS kept refusing messages the worker must send."""
 
     fault = Fault.QUEUE
+
+
+class Busy(Transient):
+    """An ordinary race at a job's end (another worker sending its records, a status key that
+    kept changing): the message comes back after a backoff, spends no try, and opens no breaker,
+    logs no error and moves no outage metric, since S3 is healthy (issue 36: an alarm on the
+    breaker fired on these)."""
+
+    fault = Fault.RACE
 
 
 SQS_OPERATIONS = frozenset(
@@ -110,8 +124,8 @@ def classify(exc: BaseException) -> Fault:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, Transient):
-            return current.fault
+        if isinstance(fault := getattr(current, "fault", None), Fault):
+            return fault
         if isinstance(current, ClientError):
             fault = _client_fault(current)
             if fault is not Fault.WORK:

@@ -8,8 +8,13 @@ store or queue fault gives the message back without counting. A job no retry can
 gone) and a body that is no job at all go to the dead-letter queue at their first receive.
 
 While a job runs, its :class:`~worker.lease.Lease` keeps the message invisible, so a slow job is
-never handed to a second worker; when the lease cannot be kept (12-hour limit, extension refused),
-the job is stopped. A worker that dies stops renewing, and the message returns after the timeout.
+never handed to a second worker. At SQS's 12-hour limit the job is stopped (a try). A lease lost to
+the queue stops nothing: the receive is recorded as uncounted (:mod:`worker.uncounted`), the job
+goes on and writes its outcome, and a message SQS gave to another worker meanwhile is left to that
+worker's answer. A worker that dies stops renewing, and the message returns after the timeout.
+
+A receive's number (:class:`~worker.tries.Receive`) is SQS's count less the receives of its
+message that met a queue fault (:meth:`worker.uncounted.Uncounted.receive`).
 """
 
 from __future__ import annotations
@@ -22,31 +27,42 @@ import structlog
 from worker.dispatch import Dispatch, Failed
 from worker.events import UnreadableMessage, parse_message
 from worker.fanout import Delivery
-from worker.faults import Fault, Transient
+from worker.faults import classify
 from worker.jobs import JobFailed, OutOfTries
 from worker.lease import Lease, LeaseLost, stop_together
 from worker.metrics import WorkerMetrics
 from worker.replies import QueueInfo, Replies
 from worker.settings import WorkerSettings
 from worker.tries import Receive, Tries
+from worker.uncounted import Uncounted
 
 log = structlog.get_logger("arbiter.worker")
 
 
-class LeaseLostToQueue(Transient):
-    """SQS refused to keep the message invisible, or could not be reached to."""
+def stops_work(keeper: asyncio.Task[LeaseLost]) -> bool:
+    """Whether the lease's end stops the job: its heartbeat crashed, the 12-hour limit, or the
+    message deleted under a healthy lease (a lease lost to an SQS outage never does)."""
+    if keeper.cancelled():
+        return False
+    return keeper.exception() is not None or keeper.result().stops
 
-    fault = Fault.QUEUE
+
+def lease_gone(keeper: asyncio.Task[LeaseLost]) -> bool:
+    """SQS says the message is no longer this worker's (deleted, or shown to another)."""
+    return (
+        keeper.done()
+        and not keeper.cancelled()
+        and keeper.exception() is None
+        and keeper.result().gone
+    )
 
 
 def lease_error(keeper: asyncio.Task[LeaseLost]) -> BaseException:
-    """What a lost lease counts as: the job's own fault (the 12-hour limit, a broken heartbeat),
-    or the queue's."""
+    """A lease's end that stopped the job (:func:`stops_work`): the job's own fault, a try."""
     crashed = keeper.exception()
     if crashed is not None:
         return JobFailed(f"the heartbeat failed: {crashed!r}")
-    lost = keeper.result()
-    return JobFailed(lost.reason) if lost.fault.counts else LeaseLostToQueue(lost.reason)
+    return JobFailed(keeper.result().reason)
 
 
 class Handler:
@@ -62,14 +78,26 @@ class Handler:
         replies: Replies,
         metrics: WorkerMetrics,
         visibility_limit_s: float,
+        uncounted: Uncounted,
     ) -> None:
         self.settings, self.sqs, self.queue, self.tries = settings, sqs, queue, tries
         self.dispatch, self.replies, self.metrics = dispatch, replies, metrics
-        self.visibility_limit_s = visibility_limit_s
+        self.visibility_limit_s, self.uncounted = visibility_limit_s, uncounted
+        # Each message in hand's receive as counted (read again by a release at the drain).
+        self.receives: dict[str, Receive] = {}
+
+    async def _receive(self, message: dict[str, Any]) -> Receive:
+        try:
+            receive = await self.uncounted.receive(message, self.tries)
+        except Exception as exc:  # S3 cannot say: SQS's count stands (it only counts more)
+            log.warning("receive.uncounted_unread", error=f"{type(exc).__name__}: {exc}")
+            receive = Receive.of(message)
+        self.receives[message["ReceiptHandle"]] = receive
+        return receive
 
     async def handle(self, message: dict[str, Any], received_at: float) -> Failed | None:
         """Run every job the message announces, then answer SQS; the failure, if it failed."""
-        receive = Receive.of(message)
+        receive = await self._receive(message)
         bound = structlog.contextvars.bound_contextvars(
             message_id=message.get("MessageId"), receive_count=receive.count
         )
@@ -93,30 +121,42 @@ class Handler:
                 self.metrics,
                 received_at,
                 self.visibility_limit_s,
+                lambda why: self.uncounted.record(message, why),
             )
             keeper = asyncio.create_task(lease.keep())
             delivery = Delivery(message.get("MessageId"), receive.count)
             work = asyncio.create_task(self.dispatch.run_all(entries, delivery))
             try:
                 await asyncio.wait({keeper, work}, return_when=asyncio.FIRST_COMPLETED)
-            finally:  # whichever ends first stops the other (and a cancelled handle stops both)
+                if not work.done() and not stops_work(keeper):
+                    await asyncio.wait({work})  # a lease lost to the queue: the job goes on
+            finally:  # the job stops the keeper (and a cancelled handle stops both)
                 await stop_together(keeper, work)
             if work.cancelled():
                 self.metrics.jobs.labels("lease_lost").inc()
                 error = lease_error(keeper)
                 log.error("job.lease_lost", reason=str(error))
-                if keeper.exception() is None and keeper.result().gone:
+                if lease_gone(keeper):
                     return None  # deleted, or another worker's now: nothing to answer
                 return await self.dispatch.fail(message, entries, receive, error)
+            if lease_gone(keeper):  # it went on after an outage; the message is another's now
+                self.metrics.jobs.labels("lease_lost").inc()
+                log.warning("job.lease_lost", reason=keeper.result().reason, answered=False)
+                return None
             failure = work.exception()
             if isinstance(failure, OutOfTries):
                 await self._out_of_tries(message, receive, failure)
             elif failure is not None:
+                if lease.lost is not None and classify(failure).counts:
+                    # Its lease was lost to the queue, but the work failed on its own: a try.
+                    await self.uncounted.forget(message)
                 return await self.dispatch.fail(message, entries, receive, failure)
             elif work.result():
                 await self.replies.dead_letter(message, "permanent")
             else:
                 await self.replies.delete(message)
+            if lease.lost is not None or receive.raw > 1 or receive.count > receive.raw:
+                await self.uncounted.clear(message)  # a job run whole leaves no folder to go with
             return None
 
     async def _out_of_tries(

@@ -40,9 +40,18 @@ from arbiter.schema import DecisionRequest, DecisionResult
 from arbiter.scorer import Scorer
 from arbiter.settings import MB as MiB
 from worker.events import JobRef, Ref, normalize_etag
+from worker.faults import Fault
 from worker.formats import PIECE, Item, items_for
 from worker.progress import Progress
-from worker.s3io import abort_uploads, exists, gone, put_json, put_new, upload_spool
+from worker.s3io import (
+    abort_uploads,
+    exists,
+    gone,
+    is_object_denied,
+    put_json,
+    put_new,
+    upload_spool,
+)
 from worker.settings import WorkerSettings
 
 MAX_KEY_BYTES = 1024  # S3's limit on an object key
@@ -58,6 +67,20 @@ class JobRejected(Exception):
     """No retry can complete the job (its input object is gone, or needs too many shards):
     dead-lettered at once. ``keys``: the job's outputs, where known; its rejection record is
     written beside them (:func:`write_rejection`), so whoever waits for the summary is told."""
+
+    def __init__(self, reason: str, keys: OutputKeys | None = None) -> None:
+        super().__init__(reason)
+        self.keys = keys
+
+
+class InputDenied(JobFailed):
+    """The job's input is there (a listing shows it) but its read is refused for the object's own
+    sake (:func:`worker.s3io.is_object_denied`: a 403, a KMS key the role may not use or that is
+    disabled): the job's fault, not the store's. It counts as a try, and on the last one the job is
+    rejected with its record (:class:`JobRejected`), within minutes; an error on the whole store
+    (its listing refused too, a write denied) stays an outage."""
+
+    fault = Fault.WORK
 
     def __init__(self, reason: str, keys: OutputKeys | None = None) -> None:
         super().__init__(reason)
@@ -297,9 +320,11 @@ async def locate(s3: Any, ref: JobRef, settings: WorkerSettings) -> Located | Jo
     try:
         head = await s3.head_object(**head_kw)
     except ClientError as exc:
+        keys = output_keys(settings, ref.key, ref.etag) if ref.etag else None
         if await gone(s3, ref.bucket, ref.key, exc):
-            keys = output_keys(settings, ref.key, ref.etag) if ref.etag else None
             raise JobRejected(f"the input {where} no longer exists", keys) from exc
+        if is_object_denied(exc):
+            raise InputDenied(f"the input {where} cannot be read: {exc}", keys) from exc
         raise JobFailed(f"cannot read {where}: {exc}") from exc
     etag = normalize_etag(head["ETag"]) or ""
     if ref.etag and ref.etag != etag:
@@ -316,9 +341,11 @@ async def open_input(s3: Any, ref: JobRef, found: Located) -> Any:
     try:
         return await s3.get_object(**found.head_kw, IfMatch=f'"{found.etag}"')
     except ClientError as exc:
+        where = f"s3://{ref.bucket}/{ref.key}"
         if await gone(s3, ref.bucket, ref.key, exc):
-            where = f"s3://{ref.bucket}/{ref.key}"
             raise JobRejected(f"the input {where} no longer exists", found.keys) from exc
+        if is_object_denied(exc):
+            raise InputDenied(f"the input {where} cannot be read: {exc}", found.keys) from exc
         raise
 
 

@@ -6,8 +6,15 @@ stale because another worker received it), when renewals keep failing until the 
 out, or when the next extension would cross SQS's 12-hour limit counted from the receive. In each
 case SQS will show the message to another worker, so going on would process the job twice.
 
-Only the 12-hour limit is the job's own fault (it is too large for one message) and counts as a try;
-a lease lost to SQS (a refused or failing extension) is the queue's (:mod:`worker.faults`).
+Only the 12-hour limit is the job's own fault (it is too large for one message): it counts as a try
+and stops the job. A lease lost to an SQS outage is the queue's (:mod:`worker.faults`) and stops
+nothing (issue 36): renewals that keep failing until the visibility runs out are reported to
+``on_lost`` (the receive is recorded as uncounted, :mod:`worker.uncounted`) and the job goes on to
+write its outcome, through an extension SQS refuses once it answers again (the message was shown to
+another worker meanwhile): the first outcome wins, as for any second delivery (before, every holder
+of a shard longer than the gaps of a flapping outage was stopped, and none finished). Renewals go on
+after a failure run, so a lease whose SQS came back in time is simply kept. An extension refused
+while the lease was healthy (the message deleted by someone else) still stops the job.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +58,7 @@ class LeaseLost:
     reason: str
     fault: Fault
     gone: bool = False  # SQS says the message is no longer this worker's (deleted, received again)
+    stops: bool = True  # the job stops (False: it goes on, the lease lost to an SQS outage)
 
 
 class Lease:
@@ -64,6 +73,7 @@ class Lease:
         metrics: WorkerMetrics,
         received_at: float,
         limit_s: float = SQS_MAX_VISIBILITY_S,
+        on_lost: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.sqs = sqs
         self.queue_url = queue_url
@@ -73,9 +83,19 @@ class Lease:
         self.received_at = received_at
         self.limit_s = limit_s
         self.until = received_at + settings.visibility_timeout_s
+        self.on_lost = on_lost
+        self.lost: str | None = None  # why the lease was lost to the queue, once it was
+
+    async def _lost(self, reason: str) -> None:
+        if self.lost is None:
+            self.lost = reason
+            log.warning("visibility.lost", reason=reason, action="the job goes on")
+            if self.on_lost is not None:
+                await self.on_lost(reason)
 
     async def keep(self) -> LeaseLost:
-        """Renew until cancelled; returns only when the lease is lost, saying why."""
+        """Renew until cancelled; returns only when the job must stop (the 12-hour limit) or the
+        message is no longer this worker's to renew (``gone``), saying why."""
         interval = self.settings.heartbeat_interval_s
         while True:
             await asyncio.sleep(interval)
@@ -90,14 +110,15 @@ class Lease:
                     Fault.WORK,
                 )
             try:
-                await self.sqs.change_message_visibility(
-                    QueueUrl=self.queue_url, ReceiptHandle=self.receipt, VisibilityTimeout=seconds
-                )
+                await self._renew(seconds, interval)
             except ClientError as exc:
                 code = exc.response.get("Error", {}).get("Code", "")
                 if code in _REFUSED:
                     reason = f"SQS refused to extend the message's visibility ({code})"
-                    return LeaseLost(reason, Fault.QUEUE, gone=True)
+                    lapsed = self.lost is not None or time.monotonic() >= self.until
+                    if lapsed:  # SQS showed it to another worker once its visibility ran out
+                        await self._lost(reason)
+                    return LeaseLost(reason, Fault.QUEUE, gone=True, stops=not lapsed)
                 error = str(exc)
             except Exception as exc:  # a network blip: the next beat may succeed
                 error = f"{type(exc).__name__}: {exc}"
@@ -108,5 +129,25 @@ class Lease:
                 continue
             log.warning("visibility.extend_failed", error=error)
             if time.monotonic() + interval >= self.until:
-                reason = f"the message's visibility ran out while renewals failed ({error})"
-                return LeaseLost(reason, Fault.QUEUE)
+                await self._lost(
+                    f"the message's visibility ran out while renewals failed ({error})"
+                )
+
+    async def _renew(self, seconds: int, interval: float) -> None:
+        """One extension. One that has not answered half a beat before the visibility runs out
+        (botocore still sending it again through an outage) reports the lease lost then, not
+        when it gives up: by that time SQS may be back and the message with another worker."""
+        renewal = asyncio.ensure_future(
+            self.sqs.change_message_visibility(
+                QueueUrl=self.queue_url, ReceiptHandle=self.receipt, VisibilityTimeout=seconds
+            )
+        )
+        try:
+            deadline = self.until - interval / 2 - time.monotonic()
+            done, _ = await asyncio.wait({renewal}, timeout=max(0.0, deadline))
+            if not done:
+                await self._lost("an extension did not answer before the visibility ran out")
+            await renewal
+        finally:
+            if not renewal.done():
+                renewal.cancel()

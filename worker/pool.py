@@ -83,7 +83,7 @@ async def _worker(settings: WorkerSettings, in_hand: InHand | None = None) -> No
 
     from arbiter.settings import engine_from_environment
     from worker.metrics import WorkerMetrics
-    from worker.queue import Consumer, describe_queue
+    from worker.queue import Consumer, open_queue
 
     log = structlog.get_logger("arbiter.worker")
     threads = settings.threads_per_process()
@@ -92,17 +92,24 @@ async def _worker(settings: WorkerSettings, in_hand: InHand | None = None) -> No
     engine = load_engine_factory(settings.worker_engine_factory)(engine_settings)
     log.info("engine.loaded", threads=threads, model=getattr(engine.model_info, "file", None))
     session = get_session()
+    metrics = WorkerMetrics(registry=None)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     async with (
         session.create_client("s3", **settings.client_kwargs()) as s3,
         session.create_client("sqs", **settings.client_kwargs()) as sqs,
     ):
-        queue = await describe_queue(sqs, settings)
-        consumer = Consumer(
-            settings, s3, sqs, engine, queue, WorkerMetrics(registry=None), in_hand=in_hand
-        )
-        loop = asyncio.get_running_loop()
+        # Started in an SQS outage (a restart after a kill, say): wait for the queue, not die.
+        queue = await open_queue(sqs, settings, metrics, stop)
+        if queue is None:
+            return
+        consumer = Consumer(settings, s3, sqs, engine, queue, metrics, in_hand=in_hand)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, consumer.stop)
+        if stop.is_set():
+            consumer.stop()
         await consumer.run()
 
 
@@ -194,6 +201,8 @@ class Pool:
             self.settings.task_protection_minutes,
             self.settings.task_protection_idle_s,
             metrics,
+            window_s=self.settings.task_protection_window_minutes * 60,
+            rest_s=self.settings.task_protection_rest_s,
         )
         slots = self.slots
         return asyncio.create_task(protection.run(lambda: any(slots), self._stopping))

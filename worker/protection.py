@@ -14,6 +14,15 @@ while it holds a message (:class:`InHand`). The protection is asked for ``task_p
 and renewed at half of that while held, so a pool that dies protected is free again within that
 time. A refused or failed call is logged and counted, never fatal: an unprotected task still
 drains its message on SIGTERM, so nothing is lost, only repeated.
+
+A protection is bounded (issue 36): ECS does not stop a protected task for a deployment either,
+and a task busy through a whole backlog would hold a new task definition off until the backlog
+drained (``arbiter deploy`` waits at most an hour). So one busy stretch is protected for at most
+``window_s`` (``ARBITER_TASK_PROTECTION_WINDOW_MINUTES``, 15); then the protection is cleared and
+not asked again for ``rest_s`` (``ARBITER_TASK_PROTECTION_REST_S``, 120 s) however busy the task
+is, which is when a deployment waiting on it (or a scale-in) may stop it: its SIGTERM drains the
+messages in hand, whose work is repeated elsewhere. A deployment thus waits at most the window
+and the rest for a busy task, not the backlog.
 """
 
 from __future__ import annotations
@@ -56,9 +65,14 @@ class TaskProtection:
         metrics: Any,
         timeout_s: float = 5.0,
         retry_s: float = 30.0,
+        window_s: float = 900.0,
+        rest_s: float = 120.0,
     ) -> None:
         self.url = agent_uri.rstrip("/") + PATH
         self.minutes, self.idle_s, self.metrics = minutes, idle_s, metrics
+        self.window_s, self.rest_s = window_s, rest_s
+        self.since: float | None = None  # when the protection now held was set (its window's start)
+        self.rest_until = 0.0  # after a window, not protected again before this
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         # Monotonic; None: not protected, as far as this process knows.
         self.protected_until: float | None = None
@@ -66,16 +80,21 @@ class TaskProtection:
         self.retry_s, self.quiet_until = retry_s, 0.0  # after a failed call, not again for a while
 
     async def update(self, busy: bool, now: float | None = None) -> None:
-        """Protect (or renew) when busy; clear once idle for ``idle_s``."""
+        """Protect (or renew) when busy, for at most ``window_s`` at a stretch and then not for
+        ``rest_s``; clear once idle for ``idle_s``."""
         now = time.monotonic() if now is None else now
         self.idle_since = None if busy else (now if self.idle_since is None else self.idle_since)
         if now < self.quiet_until:
             return
-        if busy:  # protect, or renew once half of the protection has run
+        if busy and self.since is not None and now - self.since >= self.window_s:
+            want: bool | None = False  # the window is over: let a deployment in
+        elif busy and now < self.rest_until:
+            return  # resting after a window
+        elif busy:  # protect, or renew once half of the protection has run
             renew_at = (
                 None if self.protected_until is None else self.protected_until - self.minutes * 30
             )
-            want: bool | None = True if renew_at is None or now >= renew_at else None
+            want = True if renew_at is None or now >= renew_at else None
         else:  # clear, once idle for the grace
             graced = self.idle_since is not None and now - self.idle_since >= self.idle_s
             want = False if self.protected_until is not None and graced else None
@@ -83,6 +102,11 @@ class TaskProtection:
             return
         if await self._put(want):
             self.protected_until = now + self.minutes * 60 if want else None
+            if not want or self.since is None:
+                self.since = now if want else None
+            if not want and busy:
+                self.rest_until = now + self.rest_s
+                log.info("pool.task_protection_rest", window_s=self.window_s, rest_s=self.rest_s)
         else:
             self.quiet_until = now + self.retry_s
 

@@ -32,13 +32,14 @@ from worker.handling import Handler
 from worker.jobs import thread_runner
 from worker.metrics import WorkerMetrics
 from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline
-from worker.replies import QueueInfo, Replies, describe_queue
+from worker.replies import QueueInfo, Replies, describe_queue, open_queue
 from worker.settings import WorkerSettings
 from worker.tries import ATTRIBUTES, Receive
+from worker.uncounted import Uncounted
 
 log = structlog.get_logger("arbiter.worker")
 
-__all__ = ["Consumer", "QueueInfo", "describe_queue", "receive_count"]
+__all__ = ["Consumer", "QueueInfo", "describe_queue", "open_queue", "receive_count"]
 
 
 def receive_count(message: dict[str, Any]) -> int:
@@ -85,7 +86,8 @@ class Consumer:
                 hint="set the queue's maxReceiveCount to ARBITER_MAX_RECEIVE_COUNT + 3, so the "
                 "worker sees the receive after a message's last try",
             )
-        self.replies = Replies(sqs, queue, self.metrics)
+        self.uncounted = Uncounted(s3, settings)
+        self.replies = Replies(sqs, queue, self.metrics, self.uncounted)
         self.fanout = FanOut(
             settings,
             s3,
@@ -107,6 +109,7 @@ class Consumer:
             self.replies,
             self.metrics,
             visibility_limit_s,
+            self.uncounted,
         )
         base, most = settings.circuit_probe_s, settings.circuit_probe_max_s
         self.store = CircuitBreaker(
@@ -178,6 +181,7 @@ class Consumer:
                     await self._drain_or_finish(task, message)
                 finally:
                     self.in_hand(False)
+                    self.handler.receives.pop(message["ReceiptHandle"], None)
                 if self._stop.is_set():
                     return
 
@@ -194,7 +198,8 @@ class Consumer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await self.replies.release(message, self.tries.carried(Receive.of(message)))
+            receive = self.handler.receives.get(message["ReceiptHandle"]) or Receive.of(message)
+            await self.replies.release(message, self.tries.carried(receive))
             return
         try:
             await task
@@ -227,9 +232,10 @@ class Consumer:
         that dependency's circuit breaker."""
         received_at = time.monotonic() if received_at is None else received_at
         failed = await self.handler.handle(message, received_at)
-        if failed is None or failed.fault is Fault.WORK:
-            if failed is None:
-                self.store.succeeded()
+        if failed is None:
+            self.store.succeeded()
             return
-        breaker = self.store if failed.fault is Fault.STORE else self.queue_breaker
-        breaker.trip(failed.error)
+        # A failure of the work, or an end-of-job race, says nothing about S3 or SQS.
+        breaker = {Fault.STORE: self.store, Fault.QUEUE: self.queue_breaker}.get(failed.fault)
+        if breaker is not None:
+            breaker.trip(failed.error)

@@ -13,10 +13,13 @@ from typing import Any
 
 import structlog
 
+from worker.breaker import CircuitBreaker
+from worker.faults import Fault, classify
 from worker.metrics import WorkerMetrics
 from worker.policies import ExponentialBackoff
 from worker.settings import WorkerSettings
 from worker.tries import SQS_MAX_DELAY_S, Tries
+from worker.uncounted import Uncounted
 
 log = structlog.get_logger("arbiter.worker")
 
@@ -36,7 +39,43 @@ class QueueInfo:
             self.max_receive_count,
             ExponentialBackoff(settings.backoff_base_s, settings.backoff_max_s),
             settings.max_outage_s,
+            settings.circuit_probe_max_s + settings.wait_time_s,
         )
+
+
+async def open_queue(
+    sqs: Any, settings: WorkerSettings, metrics: WorkerMetrics, stop: asyncio.Event
+) -> QueueInfo | None:
+    """:func:`describe_queue`, waiting behind the queue's circuit breaker while SQS cannot be
+    reached (its probes, ``circuit_probe_s`` doubling to ``circuit_probe_max_s``): a worker
+    started or restarted in an SQS outage waits instead of dying (issue 36: the pool restarted it
+    until its crash-loop limit and exited 1 after 50 s). None if ``stop`` is set first. An answer
+    that is no outage (no such queue: a configuration error) is raised at once."""
+    found: list[QueueInfo] = []
+    fatal: list[BaseException] = []
+
+    async def probe() -> None:
+        try:
+            found.append(await describe_queue(sqs, settings))
+        except Exception as exc:
+            if classify(exc) is Fault.WORK:
+                fatal.append(exc)
+                return
+            raise
+
+    breaker = CircuitBreaker(
+        "queue",
+        metrics,
+        probe,
+        settings.circuit_probe_s,
+        settings.circuit_probe_max_s,
+        probe_first=True,
+    )
+    if not await breaker.wait(stop):
+        return None
+    if fatal:
+        raise fatal[0]
+    return found[-1]
 
 
 async def describe_queue(sqs: Any, settings: WorkerSettings) -> QueueInfo:
@@ -53,12 +92,26 @@ async def describe_queue(sqs: Any, settings: WorkerSettings) -> QueueInfo:
 
 
 class Replies:
-    """What one worker answers SQS about the messages it received."""
+    """What one worker answers SQS about the messages it received. A release SQS does not take
+    leaves the message to come back once its visibility runs out: that receive is recorded as
+    uncounted first (:mod:`worker.uncounted`), so a queue fault never spends a try."""
 
-    def __init__(self, sqs: Any, queue: QueueInfo, metrics: WorkerMetrics) -> None:
-        self.sqs, self.queue, self.metrics = sqs, queue, metrics
+    def __init__(
+        self,
+        sqs: Any,
+        queue: QueueInfo,
+        metrics: WorkerMetrics,
+        uncounted: Uncounted | None = None,
+    ) -> None:
+        self.sqs, self.queue, self.metrics, self.uncounted = sqs, queue, metrics, uncounted
+
+    async def _uncounted(self, message: dict[str, Any], why: str) -> None:
+        if self.uncounted is not None:
+            await self.uncounted.record(message, why)
 
     async def delete(self, message: dict[str, Any]) -> None:
+        """Delete the message; a delete SQS does not take needs no record: the message comes back
+        to find its work done (an outcome, a summary), whatever its count says."""
         await asyncio.shield(
             self.sqs.delete_message(QueueUrl=self.queue.url, ReceiptHandle=message["ReceiptHandle"])
         )
@@ -82,8 +135,9 @@ class Replies:
     ) -> bool:
         """Give the message back, for another worker, after ``delay_s``: sent again as a new
         message with ``attributes`` (what the tries carry over, :meth:`worker.tries.Tries.carried`),
-        then deleted, so the receive is not counted. If the copy cannot be sent, the message is
-        made visible after the delay instead (that receive then counts); whether the copy went."""
+        then deleted, so the receive is not counted. If the copy cannot be sent, the receive is
+        recorded as uncounted and the message made visible after the delay instead (or, if SQS
+        cannot be told that either, after its visibility timeout); whether the copy went."""
         try:
             await asyncio.shield(
                 self.sqs.send_message(
@@ -94,7 +148,9 @@ class Replies:
                 )
             )
         except Exception as exc:
-            log.warning("release.resend_failed", error=f"{type(exc).__name__}: {exc}")
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("release.resend_failed", error=error)
+            await self._uncounted(message, f"its release was not sent: {error}")
             await self.back_off(message, delay_s)
             return False
         with contextlib.suppress(Exception):  # a copy left over is a harmless duplicate

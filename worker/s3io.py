@@ -69,6 +69,23 @@ def is_denied(exc: ClientError) -> bool:
     return _code(exc) in _DENIED or status == 403
 
 
+# KMS answers, passed on by S3, that name a passing condition (the others name the object's key).
+_KMS_PASSING = {
+    "KMS.ThrottlingException",
+    "KMS.LimitExceededException",
+    "KMS.KMSInternalException",
+    "KMS.DependencyTimeoutException",
+}
+
+
+def is_object_denied(exc: ClientError) -> bool:
+    """A read refused for the object's own sake: a 403 (its ACL, a policy on its key or tags, a
+    KMS key the role may not use), or KMS refusing its key (``KMS.DisabledException``,
+    ``KMS.AccessDeniedException``, ``KMS.NotFoundException``...)."""
+    code = _code(exc)
+    return is_denied(exc) or (code.startswith("KMS.") and code not in _KMS_PASSING)
+
+
 def is_precondition_failed(exc: ClientError) -> bool:
     """412: the condition was checked and is false. Not S3's 409 ``ConditionalRequestConflict`` (a
     concurrent write was in progress, outcome unknown): that one is retried as any S3 error is."""

@@ -241,6 +241,18 @@ class PoolSettings(_Env):
         ge=0,
         description="Idle time of every worker process before the protection is cleared.",
     )
+    task_protection_window_minutes: float = Field(
+        default=15.0,
+        gt=0,
+        description="The longest a busy task stays protected at a stretch: then the protection "
+        "is cleared for ARBITER_TASK_PROTECTION_REST_S, so a deployment can replace the task "
+        "(its SIGTERM drains the messages in hand) instead of waiting for the backlog to drain.",
+    )
+    task_protection_rest_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="How long the protection stays cleared after a window, however busy the task.",
+    )
 
     def threads_per_process(self) -> int:
         return self.worker_threads or max(1, cpu_count() // self.worker_processes)

@@ -10,13 +10,22 @@ dead-lettered if its job has neither a summary nor a manifest by then. Only a me
 even the margin (every receive failing before the worker can answer it) is moved by SQS's redrive.
 
 **What counts.** A receive's number is SQS's ``ApproximateReceiveCount`` plus the failed receives
-its message carried over from before a release (:data:`FAILED_RECEIVES`). Only a failure of the
-work itself (:class:`worker.faults.Fault`) is let count: a receive that failed on a store or queue
-fault, or that was released at a drain deadline, is given back as a new message that carries the
-count it had (so the receive is not counted, and SQS's redrive, which counts the message's own
-receives, never sees an outage), its count of such receives (:data:`OUTAGES`, for the backoff) and
-when they began (:data:`OUTAGE_SINCE`): a message failing on nothing but outages for longer than
-``ARBITER_MAX_OUTAGE_S`` is given up, loudly, before SQS's retention would drop it silently.
+its message carried over from before a release (:data:`FAILED_RECEIVES`), less the receives of it
+that met a queue fault (:mod:`worker.uncounted`: recorded in the job's folder, read only once the
+number reaches the tries). Only a failure of the work itself (:class:`worker.faults.Fault`) is let
+count: a receive that failed on a store or queue fault, an end-of-job race, or that was released at
+a drain deadline, is given back as a new message that carries the count it had (so the receive is
+not counted, and SQS's redrive, which counts the message's own receives, never sees an outage), its
+count of such receives (:data:`OUTAGES`, for the backoff) and the outage's clock.
+
+**The outage clock** measures the outage, not the wait: :data:`OUTAGE_S` is the time between the
+message's faults, each gap counted only up to the delay it was given back with plus ``lag_s`` (a
+free worker's longest wait before it receives: a breaker's probe delay and a long poll), and
+:data:`OUTAGE_LAST` when the last one was. A message that waited in a backlog for an hour between
+two 503 bursts has met an outage of seconds, not an hour (issue 36: a wait past
+``ARBITER_MAX_OUTAGE_S`` failed a shard at the next burst on a healthy store). A message failing on
+nothing but outages for longer than ``ARBITER_MAX_OUTAGE_S`` is given up, loudly, before SQS's
+retention would drop it silently.
 """
 
 from __future__ import annotations
@@ -33,9 +42,11 @@ SQS_MAX_DELAY_S = 900  # SendMessage's DelaySeconds limit
 
 FAILED_RECEIVES = "ArbiterFailedReceives"  # counted receives before a release
 LAST_LOOK = "ArbiterLastLook"  # a job out of tries, given one more look
-OUTAGES = "ArbiterOutages"  # receives that failed on a store or queue fault (not counted)
-OUTAGE_SINCE = "ArbiterOutageSince"  # epoch seconds of the first of them
-ATTRIBUTES = [FAILED_RECEIVES, LAST_LOOK, OUTAGES, OUTAGE_SINCE]
+OUTAGES = "ArbiterOutages"  # receives given back for a store, queue or race fault (not counted)
+OUTAGE_S = "ArbiterOutageSeconds"  # the outage's length as the message met it (see the doc)
+OUTAGE_LAST = "ArbiterOutageLast"  # epoch seconds of the message's last store or queue fault
+OUTAGE_SINCE = "ArbiterOutageSince"  # before issue 36: the first fault (read as the last one)
+ATTRIBUTES = [FAILED_RECEIVES, LAST_LOOK, OUTAGES, OUTAGE_S, OUTAGE_LAST, OUTAGE_SINCE]
 
 
 def _number(message: dict[str, Any], name: str) -> float | None:
@@ -50,19 +61,24 @@ class Receive:
     """One receive of a message, as the tries see it."""
 
     count: int  # its number among the message's counted tries
-    outages: int = 0  # earlier receives that failed on a store or queue fault
-    outage_since: float | None = None
+    outages: int = 0  # earlier receives given back for a fault not the work's
+    outage_s: float = 0.0  # the outage's length so far, as the message met it
+    outage_last: float | None = None  # when its last store or queue fault was
     last_look: bool = False
+    raw: int = 1  # SQS's ApproximateReceiveCount: this receive of this message
 
     @classmethod
     def of(cls, message: dict[str, Any]) -> Receive:
-        count = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
-        count += max(0, int(_number(message, FAILED_RECEIVES) or 0))
+        raw = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
+        count = raw + max(0, int(_number(message, FAILED_RECEIVES) or 0))
+        last = _number(message, OUTAGE_LAST)
         return cls(
             count=count,
             outages=max(0, int(_number(message, OUTAGES) or 0)),
-            outage_since=_number(message, OUTAGE_SINCE),
+            outage_s=max(0.0, _number(message, OUTAGE_S) or 0.0),
+            outage_last=last if last is not None else _number(message, OUTAGE_SINCE),
             last_look=LAST_LOOK in message.get("MessageAttributes", {}),
+            raw=raw,
         )
 
 
@@ -79,6 +95,7 @@ class Tries:
     redrive: int | None = None
     backoff: ExponentialBackoff = field(default_factory=ExponentialBackoff)
     max_outage_s: float = 86_400.0
+    lag_s: float = 50.0  # a free worker's longest wait before it receives (probe delay + poll)
 
     @property
     def limit(self) -> int:
@@ -110,26 +127,44 @@ class Tries:
         its outages, within SendMessage's 15-minute limit."""
         return min(SQS_MAX_DELAY_S, self.backoff.delay(receive.outages + 1))
 
+    def outage_s(self, receive: Receive, now: float | None = None) -> float:
+        """The outage's length as the message has met it, a fault now included: each gap since
+        its last fault counted up to the delay it was given back with plus ``lag_s`` (see the
+        module doc)."""
+        if receive.outage_last is None:
+            return receive.outage_s
+        gap = max(0.0, (time.time() if now is None else now) - receive.outage_last)
+        given = min(SQS_MAX_DELAY_S, self.backoff.delay(receive.outages))
+        return receive.outage_s + min(gap, given + self.lag_s)
+
     def outage_over(self, receive: Receive, now: float | None = None) -> bool:
         """The message has failed on outages alone for longer than ``max_outage_s``."""
-        if receive.outage_since is None:
-            return False
-        return (time.time() if now is None else now) - receive.outage_since > self.max_outage_s
+        return self.outage_s(receive, now) > self.max_outage_s
 
     def carried(
-        self, receive: Receive, outage: bool = False, last_look: bool = False
+        self,
+        receive: Receive,
+        outage: bool = False,
+        last_look: bool = False,
+        busy: bool = False,
+        now: float | None = None,
     ) -> dict[str, dict[str, str]]:
         """The attributes of a message given back as a new one, this receive not counted:
-        ``outage``, it failed on a store or queue fault; ``last_look``, it is a job's last look
-        (carried by any later copy)."""
+        ``outage``, it failed on a store or queue fault (the clock runs); ``busy``, on an
+        end-of-job race (only the backoff grows); ``last_look``, it is a job's last look (carried
+        by any later copy)."""
         attributes = {FAILED_RECEIVES: _attribute(str(receive.count - 1))}
-        outages, since = receive.outages, receive.outage_since
+        outages, seconds, last = receive.outages, receive.outage_s, receive.outage_last
+        if outage or busy:
+            outages += 1
         if outage:
-            outages, since = outages + 1, since or time.time()
+            now = time.time() if now is None else now
+            seconds, last = self.outage_s(receive, now), now
         if outages:
             attributes[OUTAGES] = _attribute(str(outages))
-        if since is not None:
-            attributes[OUTAGE_SINCE] = _attribute(f"{since:.0f}")
+        if last is not None:
+            attributes[OUTAGE_S] = _attribute(f"{seconds:.1f}")
+            attributes[OUTAGE_LAST] = _attribute(f"{last:.1f}")
         if last_look or receive.last_look:
             attributes[LAST_LOOK] = _attribute("1", "String")
         return attributes

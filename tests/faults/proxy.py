@@ -28,7 +28,9 @@ holds. For every request a plan (``decide``) picks an :class:`Action`:
   answers a role without ``s3:ListBucket``; ``missing`` answers a GET/HEAD ``NoSuchKey`` without
   forwarding (an object deleted behind the worker's back, as this worker sees it); ``deny`` answers
   403 ``AccessDenied`` without forwarding (a role without the grant: with ``Call.version``, what
-  AWS answers a ``?versionId=`` read by a role without ``s3:GetObjectVersion``).
+  AWS answers a ``?versionId=`` read by a role without ``s3:GetObjectVersion``; on one object,
+  one encrypted with a KMS key the role may not use); ``kms_disabled`` answers 400
+  ``KMS.DisabledException`` (an object encrypted with a KMS key that was disabled).
 
 The proxy also reads SQS ``ReceiveMessage`` answers, so a plan knows which message (and which receive
 of it) a worker is handling when it decides.
@@ -70,6 +72,7 @@ ACTIONS = (
     "kill_during",
     "forbid_missing",
     "deny",
+    "kms_disabled",
     "missing",
     "delay",
     "redeliver",
@@ -296,6 +299,8 @@ class FaultProxy:
             return _error("s3", 404)
         if action == "deny":
             return _error(call.service, 403)
+        if action == "kms_disabled":
+            return _error(call.service, 400)
         if action == "fake_delete" and call.op in ("DeleteMessage", "DeleteMessageBatch"):
             return _fake_delete(call.op, body)
         if action == "redeliver" and call.op == "ReceiveMessage":
@@ -427,6 +432,7 @@ def _error(service: str, status: int) -> web.Response:
         503: ("SlowDown", "Please reduce your request rate."),
         500: ("InternalError", "We encountered an internal error. Please try again."),
         403: ("AccessDenied", "Access Denied"),
+        400: ("KMS.DisabledException", "The KMS key is disabled."),
         409: (
             "ConditionalRequestConflict",
             "A conflicting conditional operation is currently in progress against this resource.",

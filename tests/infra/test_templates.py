@@ -215,8 +215,15 @@ def test_worker_pool_scales_on_queue_depth_to_zero(serving: dict[str, Any]):
     assert waiting["AlarmActions"] == [{"Ref": "WorkerScaleOut"}]
     idle = props(serving, "WorkerQueueIdle")
     names = {m["MetricStat"]["Metric"]["MetricName"] for m in idle["Metrics"] if "MetricStat" in m}
-    # In-flight jobs count too: a task holding a job is never scaled away.
-    assert names == {"ApproximateNumberOfMessagesVisible", "ApproximateNumberOfMessagesNotVisible"}
+    # In-flight jobs count too: a task holding a job is never scaled away; and so do messages given
+    # back with a delay through an outage (issue 36: they looked like an empty queue).
+    assert names == {
+        "ApproximateNumberOfMessagesVisible",
+        "ApproximateNumberOfMessagesNotVisible",
+        "ApproximateNumberOfMessagesDelayed",
+    }
+    [total] = [m["Expression"] for m in idle["Metrics"] if "Expression" in m]
+    assert total == "visible + inflight + delayed"
     out = props(serving, "WorkerScaleOut")["StepScalingPolicyConfiguration"]["StepAdjustments"]
     # A large job's shards (hundreds of messages) add tasks ten at a time.
     assert [s["ScalingAdjustment"] for s in out] == [1, 4, 10]
@@ -236,7 +243,7 @@ def test_worker_pool_scales_in_by_idle_tasks_which_alone_are_unprotected(serving
     idle = props(serving, "WorkerTasksIdle")
     assert idle["AlarmActions"] == [{"Ref": "WorkerScaleIn"}]
     [expression] = [m["Expression"] for m in idle["Metrics"] if "Expression" in m]
-    assert expression == "IF(visible == 0 AND inflight > 0, tasks - inflight, 0)"
+    assert expression == "IF(visible == 0 AND delayed == 0 AND inflight > 0, tasks - inflight, 0)"
     stats = {m["Id"]: m["MetricStat"] for m in idle["Metrics"] if "MetricStat" in m}
     assert stats["tasks"]["Metric"]["MetricName"] == "RunningTaskCount"
     assert stats["tasks"]["Metric"]["Namespace"] == "ECS/ContainerInsights"

@@ -18,7 +18,7 @@ from tests.aws import CREDS
 from tests.fakes import FakeEngine
 from tests.faults.proxy import Call, FaultProxy
 from worker.metrics import WorkerMetrics
-from worker.queue import Consumer, describe_queue
+from worker.queue import Consumer, open_queue
 from worker.settings import WorkerSettings
 
 
@@ -30,6 +30,7 @@ class _Worker:
         self.handles: set[asyncio.Task[Any]] = set()
         self.stack = contextlib.AsyncExitStack()
         self.registry = CollectorRegistry()
+        self.killed = asyncio.Event()  # set when the proxy kills it (ends a wait at its start)
 
 
 class Fleet:
@@ -92,16 +93,19 @@ class Fleet:
         url = await self.proxy.endpoint(number)
         kw = {**self.settings.client_kwargs(), "endpoint_url": url, **CREDS}
         session = get_session()
+        metrics = WorkerMetrics(worker.registry)
         try:
             s3 = await worker.stack.enter_async_context(session.create_client("s3", **kw))
             sqs = await worker.stack.enter_async_context(session.create_client("sqs", **kw))
-            queue = await describe_queue(sqs, self.settings)
+            # As `arbiter work` does: a worker started in an SQS outage waits for the queue.
+            queue = await open_queue(sqs, self.settings, metrics, worker.killed)
+            if queue is None:
+                raise ConnectionError(f"worker {number} was killed while it started")
         except BaseException:
             self.workers.pop(number, None)
             with contextlib.suppress(Exception):
                 await worker.stack.aclose()
             raise
-        metrics = WorkerMetrics(worker.registry)
         consumer = Consumer(self.settings, s3, sqs, self.engine(number), queue, metrics)
         consumer.handle = self._tracked(worker, consumer.handle)  # type: ignore[method-assign]
         worker.consumer = consumer
@@ -122,6 +126,8 @@ class Fleet:
         return tracked
 
     def _killed(self, number: int) -> None:
+        if (worker := self.workers.get(number)) is not None:
+            worker.killed.set()
         self.kills += 1
         self._dead.append(number)
         self._wake.set()

@@ -120,18 +120,18 @@ def test_the_last_try_and_past_it_follow_the_redrive_margin() -> None:
 
 
 def test_a_released_receive_is_not_counted_and_an_outage_is_carried() -> None:
-    tries = Tries(own=5, backoff=ExponentialBackoff(2, 300), max_outage_s=100)
+    tries = Tries(own=5, backoff=ExponentialBackoff(2, 300), max_outage_s=100, lag_s=10)
     message = {"Attributes": {"ApproximateReceiveCount": "3"}, "MessageAttributes": {}}
     first = Receive.of(message)
-    assert first == Receive(count=3)
-    carried = tries.carried(first, outage=True)
+    assert first == Receive(count=3, raw=3)
+    carried = tries.carried(first, outage=True, now=1000.0)
     again = Receive.of(
         {"Attributes": {"ApproximateReceiveCount": "1"}, "MessageAttributes": carried}
     )
-    assert again.count == 3 and again.outages == 1 and again.outage_since is not None
+    assert again.count == 3 and again.outages == 1 and again.outage_last == 1000.0
     assert tries.outage_delay(again) == 4 and tries.retry_delay(again) == 8
-    assert not tries.outage_over(again, now=again.outage_since + 50)
-    assert tries.outage_over(again, now=again.outage_since + 101)
+    # given back after 2 s, met the outage again 5 s later: 5 s of outage
+    assert tries.outage_s(again, now=1005.0) == 5.0
     look = tries.carried(again, last_look=True)
     assert Receive.of({"MessageAttributes": look}).last_look
     assert Receive.of(
@@ -139,6 +139,28 @@ def test_a_released_receive_is_not_counted_and_an_outage_is_carried() -> None:
     ).last_look
     # a drain release carries the count alone
     assert set(tries.carried(first)) == {"ArbiterFailedReceives"}
+
+
+def _carried(tries: Tries, receive: Receive, now: float) -> Receive:
+    return Receive.of({"MessageAttributes": tries.carried(receive, outage=True, now=now)})
+
+
+def test_the_outage_clock_measures_the_outage_not_the_wait() -> None:
+    """Issue 36: a message that met one 503 burst, then waited in a backlog longer than the outage
+    limit, was given up at the next burst on a healthy store. Each gap between two faults counts
+    up to the delay the message was given back with plus the lag of a free worker."""
+    tries = Tries(own=5, backoff=ExponentialBackoff(2, 300), max_outage_s=20, lag_s=3)
+    burst = _carried(tries, Receive(count=1), now=0.0)  # a 503 burst, given back for 2 s
+    assert not tries.outage_over(burst, now=25.0)  # 25 s later, after a backlog: 5 s of outage
+    assert tries.outage_s(burst, now=25.0) == 5.0
+    steady, now = burst, 0.0
+    for _ in range(3):  # a partial outage that goes on: each fault soon after its delay
+        now += tries.outage_delay(steady) / 2 + 1
+        steady = _carried(tries, steady, now)
+    assert steady.outage_s == now == 17.0 and not tries.outage_over(steady, now=now)
+    assert tries.outage_over(steady, now=now + 4)  # the next fault makes it 21 s: given up
+    old = Receive.of({"MessageAttributes": {"ArbiterOutageSince": {"StringValue": "100"}}})
+    assert old.outage_last == 100.0  # a copy given back before issue 36: its clock restarts
 
 
 def test_overlapping_prefixes_are_refused() -> None:

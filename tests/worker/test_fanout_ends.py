@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from tests.aws import aws_clients, list_keys, read_object, receive_all
 from tests.fakes import FakeEngine
@@ -23,6 +24,7 @@ from tests.worker.scenarios import (
     run_fleet,
     versioned_stack,
 )
+from tests.worker.support import sample
 from worker.events import JobRef, parse_message
 from worker.fanout import FanOut, status
 from worker.fanout.deadletters import RecordsInFlight, records_key
@@ -33,6 +35,8 @@ from worker.fanout.plan import read_manifest
 from worker.jobs import output_keys
 from worker.s3io import put_json, put_new
 from worker.tries import Tries
+
+DEPS = ("store", "queue")
 
 
 async def test_a_failed_shard_delivered_again_and_again_has_one_dlq_record(endpoint: str) -> None:
@@ -241,3 +245,77 @@ async def test_an_end_that_finds_another_sending_the_records_keeps_the_job_until
     assert kept == [f"{folder.base}marker"] and gone == []
     [record] = [json.loads(m["Body"]) for m in records]
     assert record["index"] == 1 and record["failed"]["error"] == "boom"
+
+
+async def test_an_end_of_job_race_opens_no_breaker_and_logs_no_error(endpoint: str) -> None:
+    """Issue 36: an end that meets another end sending the records (``RecordsInFlight``) or a
+    status key that stays contended (``Contended``) is an ordinary race on a healthy store: its
+    message comes back after a backoff, spending no try, but it opened the store breaker, logged
+    an ERROR and moved the breaker metric, and an alarm on that metric fired."""
+    settings = fault_settings(endpoint)
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await versioned_stack(s3, sqs, settings)
+        job = await drop(s3, settings, "incoming/race.jsonl", numbered_body(8))
+        keys = output_keys(settings, job.key, job.etag)
+        span = {"index": 1, "first_line": 5, "last_line": 8, "lines": 4, "receives": 5}
+        summary = {
+            "lines": 8,
+            "failed": 4,
+            "input": {"bucket": "jobs", "key": job.key, "etag": job.etag},
+            "shards": {"plan": "ab" * 8, "count": 2, "failed": [{**span, "error": "boom"}]},
+        }
+        await put_new(s3, "jobs", keys.summary, summary)
+        claim = {"state": "sending", "by": "another", "at": time.time()}
+        await put_new(s3, "jobs", records_key(keys), claim)
+        merge = {"arbiter_merge": 2, "bucket": "jobs", "key": job.key, "etag": job.etag}
+        await sqs.send_message(
+            QueueUrl=stack["queue_url"], MessageBody=json.dumps({**merge, "plan": "ab" * 8})
+        )
+        got = await receive_all(sqs, stack["queue_url"], wait=1)
+        for note in [m for m in got if "arbiter_merge" not in m["Body"]]:  # the drop's own
+            await sqs.delete_message(
+                QueueUrl=stack["queue_url"], ReceiptHandle=note["ReceiptHandle"]
+            )
+        [message] = [m for m in got if "arbiter_merge" in m["Body"]]
+        consumer, registry = await make_consumer(settings, s3, sqs, FakeEngine())
+        with capture_logs() as logs:
+            await consumer.handle(message)
+        back = await receive_all(sqs, stack["queue_url"], wait=2)
+    errors = [e["event"] for e in logs if e["log_level"] in ("error", "critical")]
+    assert errors == [] and "message.busy" in [e["event"] for e in logs]
+    assert not consumer.store.open and not consumer.queue_breaker.open
+    opened = [sample(registry, "arbiter_worker_circuit_opens_total", dependency=d) for d in DEPS]
+    retries = [sample(registry, "arbiter_worker_outage_retries_total", dependency=d) for d in DEPS]
+    assert opened == [0, 0] and retries == [0, 0]
+    assert len(back) == 1 and back[0]["Body"] == message["Body"]  # given back, not counted
+
+
+async def test_a_reruns_failed_shard_gets_its_own_dlq_record(endpoint: str) -> None:
+    """Issue 36: a re-run of an input (its outputs deleted, its notification sent again) whose
+    shard fails again got no DLQ record: the first run's ``dead-letters.json``, marked sent,
+    outlived it. The claim names its run (the summary's ``finished_at``), so the re-run's end
+    takes the old mark over and sends its own record, once."""
+    settings = fault_settings(endpoint)
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await versioned_stack(s3, sqs, settings)
+        job = await drop(s3, settings, "incoming/twice.jsonl", numbered_body(8))
+        keys = output_keys(settings, job.key, job.etag)
+        folder = job_folder(settings, "jobs", job.key, job.etag)
+        merger = Merger(s3, settings, None, sqs, stack["dlq_url"])
+        span = {"index": 1, "first_line": 5, "last_line": 8, "lines": 4, "receives": 5}
+        records = []
+        for run in ("2026-01-01T00:00:00+00:00", "2026-01-02T00:00:00+00:00"):
+            summary = {
+                "lines": 8,
+                "failed": 4,
+                "finished_at": run,
+                "input": {"bucket": "jobs", "key": job.key, "etag": job.etag},
+                "shards": {"plan": "ab" * 8, "count": 2, "failed": [{**span, "error": run}]},
+            }
+            await merger.finalize(keys, folder, summary)
+            await merger.finalize(keys, folder, summary)  # a second end sends nothing more
+            records += await receive_all(sqs, stack["dlq_url"], wait=1)
+    assert [json.loads(m["Body"])["failed"]["error"] for m in records] == [
+        "2026-01-01T00:00:00+00:00",
+        "2026-01-02T00:00:00+00:00",
+    ]

@@ -9,12 +9,14 @@ import itertools
 import json
 import time
 from typing import Any
+from urllib.parse import unquote_plus
 
+import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from tests.aws import aws_clients, read_object, wait_for
+from tests.aws import aws_clients, list_keys, read_object, receive_all, wait_for
 from tests.faults.proxy import Call
 from tests.worker.fanout_support import sample
 from tests.worker.fleet import Fleet
@@ -29,9 +31,10 @@ from tests.worker.scenarios import (
     versioned_stack,
 )
 from worker.breaker import CircuitBreaker
+from worker.fanout.deadletters import RecordsInFlight
 from worker.fanout.status import Contended
 from worker.faults import Fault, QueueRefused, classify
-from worker.jobs import JobFailed, output_keys
+from worker.jobs import InputDenied, JobFailed, output_keys
 from worker.metrics import WorkerMetrics
 from worker.s3io import WriteConflict
 
@@ -56,7 +59,6 @@ def test_only_the_engine_and_the_data_count_towards_the_tries() -> None:
         EndpointConnectionError(endpoint_url="http://s3"),
         ReadTimeoutError(endpoint_url="http://s3"),
         _from(JobFailed("cannot read s3://jobs/x"), _client_error("SlowDown", 503)),
-        Contended("the status stayed contended"),
         WriteConflict("a concurrent write"),
         TimeoutError(),
     ]
@@ -71,11 +73,15 @@ def test_only_the_engine_and_the_data_count_towards_the_tries() -> None:
         JobFailed("the engine failed on every decision so far (8)"),
         RuntimeError("this engine cannot score poison"),
         _from(JobFailed("shard 1 has 7 items, not 8"), ValueError("damaged")),
+        _from(InputDenied("the input cannot be read"), _client_error("AccessDenied", 403)),
     ]
+    race = [Contended("the status stayed contended"), RecordsInFlight("claimed by another end")]
     assert [classify(e) for e in store] == [Fault.STORE] * len(store)
+    assert [classify(e) for e in race] == [Fault.RACE] * len(race)
     assert [classify(e) for e in queue] == [Fault.QUEUE] * len(queue)
     assert [classify(e) for e in work] == [Fault.WORK] * len(work)
     assert Fault.WORK.counts and not Fault.STORE.counts and not Fault.QUEUE.counts
+    assert not Fault.RACE.counts
 
 
 async def test_the_breaker_opens_once_probes_with_doubling_delays_and_closes_once() -> None:
@@ -208,3 +214,41 @@ async def test_a_fresh_worker_takes_nothing_while_the_store_is_down(endpoint: st
     assert events == ["store.unavailable", "store.available"]
     assert sample(registries, "arbiter_worker_circuit_opens_total", dependency="store") == 1
     assert sample(registries, "arbiter_worker_circuit_open", dependency="store") == 0
+
+
+@pytest.mark.parametrize("refusal", ["deny", "kms_disabled"])
+async def test_an_input_the_role_may_not_read_is_rejected_with_its_record(
+    endpoint: str, refusal: str
+) -> None:
+    """Issue 36: an input encrypted with a KMS key the role may not use (403 AccessDenied), or
+    with a disabled one (KMS.DisabledException), was given back as a store outage for a day,
+    opened a breaker on every receive, then went to the DLQ without a rejection record, so
+    ``arbiter submit`` waited out its timeout. The listing shows the object is there, so the
+    refusal is the object's own: it counts as a try, and on the last the job is rejected with
+    its record, while the other job on the same store runs."""
+    settings = fault_settings(endpoint, max_receive_count=2, shard_lines=0)
+
+    def input_read(call: Call) -> bool:
+        return call.op == "GetObject" and call.key == "incoming/sealed.jsonl"
+
+    refused = Rule(input_read, refusal, times=10**6)
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await versioned_stack(s3, sqs, settings)
+        sealed = await drop(s3, settings, "incoming/sealed.jsonl", numbered_body(3))
+        fine = await drop(s3, settings, "incoming/fine.jsonl", numbered_body(3))
+        keys = output_keys(settings, sealed.key, sealed.etag)
+        async with Fleet(endpoint, settings, refused, 1) as fleet:
+
+            async def told() -> bool:
+                return keys.rejected in await list_keys(s3, "jobs", keys.rejected)
+
+            await wait_for(told, within_s=30)
+            await fleet.run_until(finished(s3, sqs, stack, settings, [fine]), 30)
+            registries = fleet.registries()
+        record = json.loads(await read_object(s3, "jobs", keys.rejected))
+        dead = await receive_all(sqs, stack["dlq_url"], wait=1)
+    assert "cannot be read" in record["rejected"] and "on each of its 2 tries" in record["rejected"]
+    keys_dead = [json.loads(m["Body"])["Records"][0]["s3"]["object"]["key"] for m in dead]
+    assert [unquote_plus(k) for k in keys_dead] == [sealed.key]
+    assert sample(registries, "arbiter_worker_circuit_opens_total", dependency="store") == 0
+    assert refused.hits == 2  # one read per try: a refusal is not sent again

@@ -70,8 +70,10 @@ def agent() -> Iterator[FakeAgent]:
 spawn = test_pool.spawn  # its fixture: the processes a test starts are killed at its end
 
 
-def protection(agent: FakeAgent, minutes: int = 60, idle_s: float = 30) -> TaskProtection:
-    return TaskProtection(agent.uri, minutes, idle_s, WorkerMetrics(CollectorRegistry()))
+def protection(
+    agent: FakeAgent, minutes: int = 60, idle_s: float = 30, **bounds: float
+) -> TaskProtection:
+    return TaskProtection(agent.uri, minutes, idle_s, WorkerMetrics(CollectorRegistry()), **bounds)
 
 
 async def test_busy_protects_once_renews_at_half_and_idle_clears_after_the_grace(agent):
@@ -91,6 +93,30 @@ async def test_busy_protects_once_renews_at_half_and_idle_clears_after_the_grace
     await guard.update(False, now=340)  # idle for the grace: cleared
     await guard.update(False, now=900)  # cleared already: no call
     assert agent.enabled() == [True, True, False]
+
+
+async def test_a_busy_task_is_protected_for_a_window_then_rests_so_a_deployment_gets_in(agent):
+    """Issue 36: a task busy through a whole backlog held a new task definition off until the
+    backlog drained. One busy stretch is protected for the window at most, then the protection is
+    cleared for the rest however busy the task stays, then asked again for a new window."""
+    guard = protection(agent, minutes=10, window_s=900, rest_s=120)
+    for now in range(0, 900, 60):  # busy all along, renewed at half of the 10 minutes
+        await guard.update(True, now=now)
+    assert agent.enabled() == [True, True, True]
+    await guard.update(True, now=900)  # the window is over: cleared while still busy
+    assert agent.enabled() == [True, True, True, False] and guard.protected_until is None
+    for now in range(901, 1020, 10):  # resting: a deployment waiting on the task may stop it
+        await guard.update(True, now=now)
+    assert agent.enabled()[-1] is False and len(agent.calls) == 4
+    await guard.update(True, now=1020)  # rested: protected again, for a new window
+    assert agent.enabled() == [True, True, True, False, True]
+    await guard.update(True, now=1919)
+    assert len(agent.calls) == 6  # one renewal at 1320
+    await guard.update(True, now=1920)
+    assert agent.enabled()[-1] is False
+    await guard.update(False, now=1930)  # idle after a window: nothing more to clear
+    await guard.update(False, now=2000)
+    assert len(agent.calls) == 7
 
 
 async def test_a_refused_or_failed_call_is_counted_and_asked_again_later(agent):

@@ -11,12 +11,18 @@ Several workers may run the end at once (the merge and a late shard message). Th
 is the one that claims ``<name>.<etag>.dead-letters.json`` beside the summary: created with
 ``If-None-Match: *``, or taken over with ``If-Match`` once an earlier claim is older than the
 visibility timeout (its claimer died); the claimer sends the records and then marks the object
-``sent``. An end that finds a fresh claim of another raises :class:`RecordsInFlight` (a store-class
-fault: its message comes back after a backoff, spending no try) rather than go on to delete the
-job's folder, so the job is never ended while its records are unsent: if that claimer died, the
-next run of the end takes its claim over. A claimer killed after sending and before its mark, and
-a send whose answer was lost (botocore sends it again), are the ways a record comes twice; none is
-ever lost.
+``sent``. An end that finds a fresh claim of another raises :class:`RecordsInFlight` (an end-of-job
+race, :class:`worker.faults.Busy`: its message comes back after a backoff, spending no try and
+opening no breaker) rather than go on to delete the job's folder, so the job is never ended while
+its records are unsent: if that claimer died, the next run of the end takes its claim over. A
+claimer killed after sending and before its mark, and a send whose answer was lost (botocore sends
+it again), are the ways a record comes twice; none is ever lost.
+
+The claim names the run it is for (the summary's ``finished_at``): a re-run of the same input (its
+outputs deleted, its notification sent again) writes a summary of its own, and a claim or a
+``sent`` mark of an earlier run is taken over like a stale one (issue 36: the first run's mark
+outlived it, and a re-run's failed shard got no record). A claim that names no run (written before
+that) is taken as this run's.
 
 Each record is the shard's message (``{"arbiter_shard": 2, ...}``: what failed, in the shape a
 worker reads) with what the summary says about it: ``failed`` (its lines, the error, after how
@@ -33,14 +39,14 @@ from typing import Any
 import structlog
 
 from worker.events import PROTOCOL, ShardMessage
-from worker.faults import Transient
+from worker.faults import Busy
 from worker.jobs import OutputKeys
 from worker.s3io import PreconditionFailed, WriteConflict, get_json, put_json, put_new
 
 log = structlog.get_logger("arbiter.worker")
 
 
-class RecordsInFlight(Transient):
+class RecordsInFlight(Busy):
     """Another end is sending this job's dead-letter records now: this one comes back later."""
 
 
@@ -78,7 +84,8 @@ class DeadLetters:
         if not failed or self.dlq_url is None or self.sqs is None:
             return
         key = records_key(keys)
-        claim = {"state": "sending", "by": uuid.uuid4().hex[:12], "at": time.time()}
+        run = summary.get("finished_at")
+        claim = {"state": "sending", "by": uuid.uuid4().hex[:12], "at": time.time(), "run": run}
         if not await self._claim(key, claim):
             return
         for entry in failed:
@@ -88,6 +95,7 @@ class DeadLetters:
                 self.metrics.dlq_moves.labels("shard_failed").inc()
         log.error("job.shards_dead_lettered", shards=[f["index"] for f in failed])
         sent = {"state": "sent", "by": claim["by"], "records": [f["index"] for f in failed]}
+        sent["run"] = run
         await put_json(self.s3, self.bucket, key, sent)
 
     async def _claim(self, key: str, claim: dict[str, Any]) -> bool:
@@ -99,9 +107,10 @@ class DeadLetters:
                     return True
                 continue
             found, etag = got
-            if found.get("state") == "sent":
+            ours = found.get("run", claim["run"]) == claim["run"]  # not an earlier run's
+            if ours and found.get("state") == "sent":
                 return False
-            if claim["at"] - float(found.get("at", 0)) < self.stale_s:
+            if ours and claim["at"] - float(found.get("at", 0)) < self.stale_s:
                 raise RecordsInFlight(f"{key}: claimed by {found.get('by')}")
             try:
                 await put_json(self.s3, self.bucket, key, claim, IfMatch=etag)

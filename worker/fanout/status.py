@@ -46,7 +46,7 @@ import structlog
 from worker.fanout.keys import JobFolder
 from worker.fanout.outcome import Outcome, finished
 from worker.fanout.plan import Manifest
-from worker.faults import Transient
+from worker.faults import Busy
 from worker.jobs import OutputKeys
 from worker.s3io import PreconditionFailed, WriteConflict, get_json, put_json, put_new
 
@@ -57,8 +57,8 @@ REPORTS = 4  # progress reports per stripe (see reports())
 Snapshot = list[int]  # [shards counted, shards failed, lines, lines failed]
 
 
-class Contended(Transient):
-    """The status kept changing under this worker's writes: the store's fault (a hot key), retried
+class Contended(Busy):
+    """The status kept changing under this worker's writes (a hot key, not an outage): retried
     without spending a try."""
 
 
