@@ -356,7 +356,7 @@ MUTATIONS = (
     Mutation(
         "dlq-records-once",
         "worker/fanout/deadletters.py",
-        '            if found.get("state") == "sent":\n                return False\n',
+        '            if ours and found.get("state") == "sent":\n                return False\n',
         "",
         (
             "tests/worker/test_fanout_ends.py::"
@@ -1053,7 +1053,7 @@ MUTATIONS = (
     Mutation(
         "rejection-recorded",
         "worker/dispatch.py",
-        "                await write_rejection(self.fanout.s3, self.fanout.bucket, entry, exc)\n",
+        "        await write_rejection(self.fanout.s3, self.fanout.bucket, entry, exc)\n",
         "",
         (
             "tests/worker/test_fanout_faults.py::"
