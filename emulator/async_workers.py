@@ -140,7 +140,12 @@ class AsyncWorkers:
             for task in (ready, stopping):
                 task.cancel()
             await asyncio.gather(ready, stopping, return_exceptions=True)
-        return not self.stopping.is_set()
+        return self._taking()
+
+    def _taking(self) -> bool:
+        """Whether a worker may take work: after a SIGTERM, none (before a take, and for what a
+        take in flight when it came brought back)."""
+        return not self.stopping.is_set()  # SIGTERM: no more work taken
 
     async def _work(self, n: int) -> None:
         while True:
@@ -154,7 +159,7 @@ class AsyncWorkers:
                 log.warning("async_take_failed", error=repr(exc))
                 await asyncio.sleep(1)
                 continue
-            if self.stopping.is_set():  # SIGTERM: no more work taken
+            if not self._taking():
                 if held is not None:  # it arrived during the poll the SIGTERM found
                     await self.backlog.release(held)
                 return

@@ -413,8 +413,8 @@ MUTATIONS = (
     Mutation(
         "async-drain-takes-no-more",
         "emulator/async_workers.py",
-        "            if self.stopping.is_set():  # SIGTERM: no more work taken\n",
-        "            if False:\n",
+        "        return not self.stopping.is_set()  # SIGTERM: no more work taken\n",
+        "        return True\n",
         (
             "tests/emulator/test_async_durable.py::"
             "test_six_requests_a_sigterm_and_a_restart_all_six_answered",

@@ -11,6 +11,7 @@ import json
 import signal
 import threading
 import time
+import urllib.request
 from typing import Any
 
 import pytest
@@ -67,6 +68,17 @@ def test_a_request_sent_while_the_model_loads_is_answered_once_it_is_up(
         loaded.set()
         output = json.loads(poll_object(s3, got["OutputLocation"]))
         [note] = notifications(endpoint, topics["success"])
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+            counted = reply.read().decode()
+    # Never sent while the model loaded: the container answered no 503 (a worker that did not
+    # wait for the ping would have met it and been sent back to the queue by its Retry-After).
+    answered = [
+        line
+        for line in counted.splitlines()
+        if line.startswith("arbiter_requests_total") and 'route="/invocations"' in line
+    ]
+    assert any('status="200"' in line for line in answered), answered
+    assert not any('status="503"' in line for line in answered), answered
     assert output["result"]["id"] == "while-loading"
     assert note["invocationStatus"] == "Completed" and note["inferenceId"] == got["InferenceId"]
     assert not exists(s3, got["FailureLocation"])
