@@ -136,7 +136,9 @@ def register(sub: Any) -> None:
     soak = suites.add_parser(
         "soak", help="mixed and hostile traffic for minutes: RSS, fds, latency, every status"
     )
-    soak.add_argument("--model", type=Path, default=None)
+    soak.add_argument(
+        "--model", type=Path, default=None, help="a .gguf (default: the bundled model)"
+    )
     soak.add_argument("--minutes", type=float, default=2.0)
     soak.add_argument("--clients", type=int, default=4)
     soak.add_argument("--states", type=int, default=300, help="distinct states (the cache churns)")
