@@ -278,8 +278,9 @@ def cross_validated(
         )
         rows = scored([r for r, _ in test], [p for _, p in test], temps)
         with_top = scored([r for r, _ in test], [p for _, p in test], temps, top)
-        out["nll"].append(measured(rows)["nll"])
-        out["ece"].append(measured(rows)["ece"])
+        got = measured(rows)
+        out["nll"].append(got["nll"])
+        out["ece"].append(got["ece"])
         out["ece_top"].append(measured(with_top)["ece"])
     return {
         **{k: float(np.mean(v)) if v else None for k, v in out.items()},
