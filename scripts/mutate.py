@@ -1146,6 +1146,13 @@ MUTATIONS = (
         (QUEUE_OUTAGES + "test_a_job_run_whole_leaves_no_record_of_its_uncounted_receives",),
     ),
     Mutation(
+        "record-outlives-the-keeper",
+        "worker/handling.py",
+        "                await lease.reported()\n",
+        "",
+        (QUEUE_OUTAGES + "test_a_record_still_being_written_when_its_job_ends_is_not_left_behind",),
+    ),
+    Mutation(
         "a-failed-try-counts",
         "worker/handling.py",
         "                    await self.uncounted.forget(message)\n",
