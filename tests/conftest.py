@@ -15,6 +15,7 @@ from arbiter.engine import Engine
 from arbiter.logging import configure as configure_logging
 from arbiter.models import bundled_model, smollm2_path
 from arbiter.settings import EngineSettings
+from tests.documented import Installed, install
 from tests.strategies import SCALE
 from tests.threads import TEST_THREADS
 
@@ -128,3 +129,10 @@ def qwen_style(qwen_style_gguf: Path) -> Iterator[Engine]:
     eng = Engine(settings)
     yield eng
     eng.close()
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    """The project's wheel, built from the working tree and installed in an environment of its own
+    (tests/documented.py), once per session: the documented commands and examples run from it."""
+    return install(tmp_path_factory.mktemp("wheel"))

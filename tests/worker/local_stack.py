@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from tests import ROOT
@@ -52,13 +53,21 @@ def free_block(size: int = 4) -> int:
 
 
 class Local:
-    """`arbiter local ARGS` with ``env``; ``lines`` fills as it prints (stdout and stderr)."""
+    """`arbiter local ARGS` with ``env``; ``lines`` fills as it prints (stdout and stderr). The
+    checkout's by default, or ``arbiter`` (a path: the built wheel's) run in ``cwd``."""
 
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str],
+        arbiter: Path | None = None,
+        cwd: Path = ROOT,
+    ) -> None:
+        program = [str(arbiter)] if arbiter else [sys.executable, "-m", "arbiter"]
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "arbiter", "local", *args],
+            [*program, "local", *args],
             env=env,
-            cwd=ROOT,
+            cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
