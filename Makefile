@@ -16,7 +16,7 @@ LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS := $(shell scripts/llama-cmake-args)
 WHEELHOUSE := $(HOME)/.cache/arbiter/wheels/$(shell echo "$(LLAMA_CPP_PYTHON) $(LLAMA_CMAKE_ARGS)" | sha256sum | cut -c1-12)
 
-.PHONY: setup constraints run test test-container gpu-rehearse fuzz faults lint bench mutate soak clean
+.PHONY: setup constraints run test test-container gpu-rehearse fuzz faults lint bench bench-smoke mutate soak clean
 
 # What `make run` needs (the package and the local stack's extra); `make test` adds the dev extra
 # (the SageMaker SDK, transformers, schemathesis, the linters...) on top.
@@ -77,7 +77,7 @@ fuzz: $(STAMP)
 	$(BIN)/python -m tests.worker.campaign --seeds $(FUZZ_FAULT_SEEDS) --concurrency 6
 
 # The fan-out under faults (docs/batch-jobs.md, "Exactly once"): the seeded fault campaign
-# (tests/worker/campaign.py; make test runs 12 of its seeds, make fuzz thousands), then the black-box
+# (tests/worker/campaign.py; make test runs 12 of its seeds, make fuzz 3,000), then the black-box
 # runs (tests/worker/blackbox.py: arbiter work and arbiter submit behind a faulty proxy, worker
 # processes SIGKILLed at random; then the same through 150 s of 503s on every S3 request, through
 # SQS answering 503 for 8 s of every 14 s for 3 minutes, and through 150 s of 503s on the shard
@@ -93,6 +93,12 @@ faults: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/arbiter bench engine
+
+# Every bench suite at its smallest size (`arbiter bench SUITE --smoke`, bench/smoke.py), on the
+# bundled models, so none falls out of step with the server: a crash or a failed check of the
+# server's behaviour fails it; targets are not judged at this size and impossible figures warn.
+bench-smoke: $(STAMP)
+	$(BIN)/python -m bench.smoke
 
 # Mixed and hostile traffic against arbiter serve on the real model (bench/soak.py): fails on any 5xx,
 # RSS growth past its bound after warm-up, fd growth, or an unhealthy server. CI runs 2 minutes.

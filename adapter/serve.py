@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import signal
+import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from structlog.typing import FilteringBoundLogger
 
@@ -34,6 +36,10 @@ def serve(host: str | None = None, port: int | None = None, model: Path | None =
         engine_settings = engine_settings.model_copy(update={"model": model})
     check_files(engine_settings)
     check_before_listening(engine_settings)  # the chat template renders a decision
+    from arbiter.ports import bind
+
+    # The port next: a busy one is refused in one line before the model starts loading.
+    sock = bind(server_settings.host, server_settings.port, "the container", "ARBITER_PORT")
     configure(json=server_settings.log_json, level=server_settings.log_level)
     log = get_logger("arbiter.serve")
     from arbiter import memory
@@ -47,7 +53,7 @@ def serve(host: str | None = None, port: int | None = None, model: Path | None =
             names=unknown,
             note="these llama-server flags have no meaning in Arbiter and are ignored",
         )
-    return asyncio.run(_serve(server_settings, engine_settings, log))
+    return asyncio.run(_serve(server_settings, engine_settings, log, sock))
 
 
 def check_before_listening(settings: EngineSettings) -> None:
@@ -92,7 +98,10 @@ def _url_host(host: str) -> str:
 
 
 async def _serve(
-    server_settings: ServerSettings, engine_settings: EngineSettings, log: FilteringBoundLogger
+    server_settings: ServerSettings,
+    engine_settings: EngineSettings,
+    log: FilteringBoundLogger,
+    sock: socket.socket,
 ) -> int:
     from aiohttp import web
 
@@ -100,19 +109,22 @@ async def _serve(
     from adapter.state import STATE
     from arbiter.engine import Engine
 
-    app = create_app(server_settings, lambda: Engine(engine_settings))
+    def progress(event: str, fields: dict[str, Any]) -> None:  # each step of the load, as it starts
+        log.info(event, **fields)
+
+    app = create_app(server_settings, lambda: Engine(engine_settings, progress=progress))
     # handler_cancellation: a client that disconnects cancels its handler, so it leaves the queue.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, server_settings.host, server_settings.port)
+    site = web.SockSite(runner, sock)
     await site.start()
     where, guard = listening(server_settings)
     exposed = not server_settings.api_key and not where.startswith("loopback")
     (log.warning if exposed else log.info)(
         "listening",
-        url=f"http://{_url_host(server_settings.host)}:{server_settings.port}",
+        url=f"http://{_url_host(server_settings.host)}:{sock.getsockname()[1]}",
         host=server_settings.host,
-        port=server_settings.port,
+        port=sock.getsockname()[1],
         reach=where,
         api_key=guard,
         max_in_flight=server_settings.max_in_flight,

@@ -4,7 +4,8 @@ Every figure is a ratio against a baseline measured in the same run, on the real
 default settings (one request computing at a time):
 
 1. A decision's latency idle, then sent together with ``--chats`` parallel 5 MB chat messages
-   (each refused from its bytes before admission): the p50 over the idle p50 (target <= 1.5). Then
+   (each refused from its bytes before admission, a 400 as OpenAI's routes answer): the p50 over
+   the idle p50 (target <= 1.5). Then
    while as many clients post 5 MB chats back to back (reported, no target: on a small machine the
    benchmark's own clients and the bytes they move compete with the model for the CPUs).
 2. A 5 MB state, and a 6 MB ``decisions`` body of 256 long prompts: the time to their 422 and 413,
@@ -25,7 +26,11 @@ from typing import Any
 
 import aiohttp
 
+from bench.figures import Progress, check, paired, verdict
 from bench.served import Served, metric, served
+
+# `--smoke` (make bench-smoke): the smallest size that runs every row.
+SMOKE: dict[str, Any] = {"repeats": 3, "chats": 1, "disconnect_after_s": 1.0}
 
 MB = 1024 * 1024
 JSON = {"Content-Type": "application/json"}
@@ -65,9 +70,20 @@ async def _decisions(session: aiohttp.ClientSession, base: str, n: int, salt: st
     return seconds
 
 
+# What the server answers each abuse with: OpenAI's 400 on /v1/* and 422 on /invocations for what
+# cannot fit (adapter.middleware). tests/bench/test_abuse_bench.py holds these to the server.
+CHAT_REFUSED = 400
+STATE_REFUSED = 422
+
+
 def _chat_body() -> bytes:
     message = "The printer is on fire again. " * (5 * MB // 30)
     return json.dumps({"messages": [{"role": "user", "content": message}]}).encode()
+
+
+def _state_body() -> bytes:
+    huge = "The printer is on fire. " * (5 * MB // 24)
+    return json.dumps({"decision": {**decision(0), "state": huge}}).encode()
 
 
 async def _with_bursts(
@@ -117,10 +133,9 @@ async def _under_flood(
 
 async def _refusals(session: aiohttp.ClientSession, base: str, n: int) -> dict[str, Any]:
     """A 5 MB state and a 6 MB body of 256 long prompts: status, code, seconds to refuse."""
-    state = {"decision": {**decision(0), "state": "The printer is on fire. " * (5 * MB // 24)}}
     long_prompt = "The order arrived late and damaged, the customer asks for a refund. " * 340
     many = {"decisions": [{**decision(i), "state": f"{i}: {long_prompt}"} for i in range(256)]}
-    bodies = {"5 MB state": json.dumps(state).encode(), "6 MB decisions": json.dumps(many).encode()}
+    bodies = {"5 MB state": _state_body(), "6 MB decisions": json.dumps(many).encode()}
     out: dict[str, Any] = {}
     for name, body in bodies.items():
         seconds = [(await _post(session, f"{base}/invocations", body))[1] for _ in range(n)]
@@ -170,11 +185,16 @@ async def _disconnect(session: aiohttp.ClientSession, base: str, after_s: float)
 async def _run(server: Served, args: argparse.Namespace) -> dict[str, Any]:
     base = server.base
     timeout = aiohttp.ClientTimeout(total=600)
+    progress = Progress("abuse")
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await _decisions(session, base, 3, "warm-")
+        progress(f"decisions alone and with {args.chats} parallel 5 MB chats", always=True)
         idle, loaded, chats = await _with_bursts(session, base, args.repeats, args.chats)
+        progress(f"decisions while {args.chats} clients post 5 MB chats", always=True)
         flooded, flood = await _under_flood(session, base, args.repeats, args.chats)
+        progress("a 5 MB state and a 6 MB body of decisions", always=True)
         refusals = await _refusals(session, base, 5)
+        progress("a 256-decision request whose client disconnects", always=True)
         disconnect = await _disconnect(session, base, args.disconnect_after_s)
         async with session.get(f"{base}/metrics") as response:
             text = await response.text()
@@ -198,11 +218,19 @@ async def _run(server: Served, args: argparse.Namespace) -> dict[str, Any]:
     }
     for name, refused in refusals.items():
         summary[name] = {**refused, "ratio": refused["p50_s"] / one}
+    # A load only slows a decision (interleaved with the idle ones; the flood's are paired by index).
+    summary["warnings"] = check(
+        [
+            paired("under_chats_ratio", loaded, idle, floor=1.0),
+            paired("under_flood_ratio", flooded, idle, floor=1.0),
+        ]
+    )
     summary["pass"] = {
         "under_chats_ratio<=1.5": summary["under_chats_ratio"] <= 1.5,
-        "chats_refused_422": chat_statuses == [422] and summary["flood_statuses"] == [422],
-        "5MB_state_422_in_ms": summary["5 MB state"]["status"] == 422
-        and summary["5 MB state"]["ratio"] < 0.5,
+        "chats_refused": chat_statuses == [CHAT_REFUSED]
+        and summary["flood_statuses"] == [CHAT_REFUSED],
+        "5MB_state_refused": summary["5 MB state"]["status"] == STATE_REFUSED,
+        "5MB_state_in_ms": summary["5 MB state"]["ratio"] < 0.5,
         "6MB_decisions_413_budget": summary["6 MB decisions"]["code"]
         == "request_token_budget_exceeded",
         "freed_within_one_decision": summary["freed_ratio"] <= 1.0,
@@ -242,4 +270,8 @@ def main(args: argparse.Namespace) -> int:
             f" probe unchanged: {s['probe_unchanged']}; cancelled: {s['cancelled_computing']}"
         )
         print("pass: " + ", ".join(f"{k}={v}" for k, v in s["pass"].items()))
-    return 0 if all(summary["pass"].values()) else 1
+    return verdict(summary["pass"], TARGETS, getattr(args, "smoke", False))
+
+
+# The performance targets among the passes; the others are the server's behaviour, always checked.
+TARGETS = {"under_chats_ratio<=1.5", "5MB_state_in_ms", "freed_within_one_decision"}

@@ -30,6 +30,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ from arbiter.schema import DecisionRequest
 from bench import typed_gguf_compare
 from bench.common import (
     LABELED,
+    ONE_READ,
     ROOT,
     free_port,
     latency_pair,
@@ -52,6 +54,15 @@ from bench.common import (
     stop,
     wait_until_ready,
 )
+from bench.figures import Ratio, check
+
+# `--smoke` (make bench-smoke): the smallest size that runs every row.
+SMOKE: dict[str, Any] = {
+    "limit": 3,
+    "suites": "engine,http,worker",
+    "readme": None,
+    "out": str(ROOT / ".bench" / "smoke"),
+}
 
 SUITES = ("engine", "http", "worker")
 
@@ -64,24 +75,46 @@ def available_suites() -> list[str]:
     return [s for s in SUITES if (ROOT / "bench" / f"{s}_bench.py").exists()]
 
 
-def run_suite(suite: str, n_gpu_layers: int | None, timeout_s: float) -> dict[str, Any]:
+def run_suite(
+    suite: str, n_gpu_layers: int | None, timeout_s: float, smoke: bool = False
+) -> dict[str, Any]:
+    """``arbiter bench SUITE --json`` in its own process: its stdout kept, its stderr (progress,
+    warnings) passed on as it comes and its tail kept for the report when it fails."""
     env = dict(os.environ)
     if n_gpu_layers is not None:
         env["ARBITER_N_GPU_LAYERS"] = str(n_gpu_layers)
+    command = [sys.executable, "-m", "arbiter", "bench", suite, "--json", *(["--smoke"] * smoke)]
     started = time.perf_counter()
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    tail: list[str] = []
+    stdout: list[str] = []
+
+    def relay() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            tail[:] = [*tail[-40:], line]
+            if not line.startswith("{"):  # the suite's progress and warnings, not its JSON logs
+                print(f"  {suite}: {line}", end="", file=sys.stderr, flush=True)
+
+    def keep() -> None:
+        assert proc.stdout is not None
+        stdout.extend(proc.stdout)
+
+    readers = [threading.Thread(target=f, daemon=True) for f in (relay, keep)]
+    for reader in readers:
+        reader.start()
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "arbiter", "bench", suite, "--json"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
         return {"suite": suite, "ok": False, "error": f"timed out after {timeout_s:.0f} s"}
+    for reader in readers:
+        reader.join(timeout=10)
     parsed = []
-    for line in proc.stdout.splitlines():
+    for line in stdout:
         with contextlib.suppress(json.JSONDecodeError):
             parsed.append(json.loads(line))
     out: dict[str, Any] = {
@@ -92,7 +125,7 @@ def run_suite(suite: str, n_gpu_layers: int | None, timeout_s: float) -> dict[st
         "summary": parsed[-1] if parsed and isinstance(parsed[-1], dict) else None,
     }
     if not out["ok"]:
-        out["error"] = (proc.stderr or proc.stdout)[-2000:]
+        out["error"] = ("".join(tail) or "".join(stdout))[-2000:]
     return out
 
 
@@ -280,7 +313,38 @@ def render(report: dict[str, Any]) -> str:
             f"| {c['p95_ratio']:.2f}x | {c['agreement']:.2f} |"
         )
     lines += typed_gguf_compare.rows(report["typed_gguf"])
+    if report.get("warnings"):
+        lines += ["", "Warnings (figures this run cannot vouch for):", ""]
+        lines += [f"- {line}" for line in report["warnings"]]
     return "\n".join(lines)
+
+
+def _suite_warnings(suite: dict[str, Any]) -> list[str]:
+    warnings = (suite.get("summary") or {}).get("warnings") or []
+    return [str(w) for w in warnings]
+
+
+def comparison_ratios(report: dict[str, Any]) -> list[Ratio]:
+    """The comparisons' p50 ratios (the other's time over Arbiter's) with their pairs. Generating
+    the letter prefills the same prompt and then decodes: it cannot be faster than the decision.
+    The other servers are other code: no floor, only their spread."""
+    found = [
+        (name, report.get(key))
+        for name, key in (
+            ("decision vs generating the letter", "generation"),
+            ("llama-cpp-python server", "llama_cpp_server"),
+        )
+    ]
+    typed = report.get("typed_gguf")
+    if isinstance(typed, dict):
+        found += [("typed-gguf per decision", typed.get("per_decision"))]
+        found += [("typed-gguf, 8 questions on one state", typed.get("shared_8"))]
+    out = []
+    for name, row in found:
+        if isinstance(row, dict) and "pairs" in row:
+            floor = 1.0 if name.startswith("decision vs generating") else None
+            out.append(Ratio(name, row["p50_ratio"], tuple(row["pairs"]), floor=floor))
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -299,10 +363,11 @@ def main(args: argparse.Namespace) -> int:
     wanted = [s for s in available_suites() if not args.suites or s in args.suites.split(",")]
     for suite in wanted:
         print(f"bench {suite} ...", file=sys.stderr)
-        report["suites"].append(run_suite(suite, n_gpu, args.suite_timeout))
+        smoke = getattr(args, "smoke", False)
+        report["suites"].append(run_suite(suite, n_gpu, args.suite_timeout, smoke))
     requests, _ = load_decisions(Path(args.file), args.limit)
     report["decisions"] = len(requests)
-    overrides: dict[str, Any] = {"prefix_cache_mb": 0}
+    overrides: dict[str, Any] = {"prefix_cache_mb": 0, "order_policy": ONE_READ}
     if n_gpu is not None:
         overrides["n_gpu_layers"] = n_gpu
     if args.model is not None:
@@ -331,6 +396,9 @@ def main(args: argparse.Namespace) -> int:
             )
     finally:
         engine.close()
+    report["warnings"] = [
+        f"{s['suite']}: {line}" for s in report["suites"] for line in _suite_warnings(s)
+    ] + check(comparison_ratios(report))
     markdown = render(report)
     (out / "bench-report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "bench-report.md").write_text(markdown + "\n")

@@ -1,7 +1,9 @@
 """`arbiter bench SUITE`: every benchmark's subcommand, registered here and nowhere else.
 
 Each suite is a module of its own (``bench/<suite>_bench.py``, with ``main(args)``), imported only
-when it runs. Every figure a suite prints is a ratio against a baseline measured in the same run.
+when it runs. Every figure a suite prints is a ratio against a baseline measured in the same run,
+flagged when it cannot be true (``bench.figures``). ``--smoke`` runs a suite at its smallest size:
+the module's ``SMOKE`` arguments replace the command line's (`make bench-smoke`, ``bench.smoke``).
 """
 
 from __future__ import annotations
@@ -31,8 +33,15 @@ SUITES = (
 MODULES = {"soak": "bench.soak"}  # the others are bench/<suite>_bench.py
 
 
+def module_of(suite: str) -> Any:
+    return importlib.import_module(MODULES.get(suite, f"bench.{suite}_bench"))
+
+
 def _run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(MODULES.get(args.suite, f"bench.{args.suite}_bench"))
+    module = module_of(args.suite)
+    if args.smoke:
+        for name, value in module.SMOKE.items():
+            setattr(args, name, value)
     return int(module.main(args))
 
 
@@ -127,7 +136,9 @@ def register(sub: Any) -> None:
     soak = suites.add_parser(
         "soak", help="mixed and hostile traffic for minutes: RSS, fds, latency, every status"
     )
-    soak.add_argument("--model", type=Path, default=None)
+    soak.add_argument(
+        "--model", type=Path, default=None, help="a .gguf (default: the bundled model)"
+    )
     soak.add_argument("--minutes", type=float, default=2.0)
     soak.add_argument("--clients", type=int, default=4)
     soak.add_argument("--states", type=int, default=300, help="distinct states (the cache churns)")
@@ -198,4 +209,9 @@ def register(sub: Any) -> None:
     )
 
     for parser in suites.choices.values():
+        parser.add_argument(
+            "--smoke",
+            action="store_true",
+            help="the smallest size (make bench-smoke): figures flagged, targets not judged",
+        )
         parser.set_defaults(func=_run)

@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent
 LABELED = ROOT / "examples" / "labeled.jsonl"
+# The floor and the peers read a prompt once, in the given order, and so does Arbiter in the benches
+# that set it beside them: by default it reads more orders while the leader is unclear (four on the
+# bundled model, which ships no calibration), which `arbiter bench orders` prices on its own.
+ONE_READ = "single"
 DECISIONS = ROOT / "evaluation" / "data" / "decisions"  # the project's own labeled decisions
 
 
@@ -149,7 +153,7 @@ def percentile_ms(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values) * 1000.0, q))
 
 
-def latency_pair(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, float]:
+def latency_pair(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, Any]:
     """p50 and p95 of Arbiter's and the other side's seconds, and the other's over Arbiter's."""
     return {
         "arbiter_p50_ms": percentile_ms(ours, 50),
@@ -158,6 +162,7 @@ def latency_pair(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, fl
         "other_p95_ms": percentile_ms(theirs, 95),
         "p50_ratio": percentile_ms(theirs, 50) / percentile_ms(ours, 50),
         "p95_ratio": percentile_ms(theirs, 95) / percentile_ms(ours, 95),
+        "pairs": [t / o for o, t in zip(ours, theirs, strict=True)],
     }
 
 

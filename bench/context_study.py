@@ -26,6 +26,7 @@ from arbiter.engine.llama import ContextShape, Llama
 from arbiter.prompt import state_text
 from arbiter.schema import DecisionRequest
 from arbiter.settings import EngineSettings
+from bench.common import ONE_READ
 
 
 @dataclass
@@ -73,10 +74,17 @@ def _two_decodes(llama: Llama, prompts: list[np.ndarray], prefixes: list[int], i
 
 
 def study(
-    model: Path, threads: int, n_ctx: int, decisions: list[DecisionRequest], repeats: int
+    model: Path,
+    threads: int,
+    n_ctx: int,
+    decisions: list[DecisionRequest],
+    repeats: int,
+    progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Medians of each run's ratio to the server-shaped one-decode prefill, decision by decision."""
-    settings = EngineSettings(model=model, n_threads=threads, n_ctx=n_ctx, prefix_cache_mb=0)
+    settings = EngineSettings(
+        model=model, n_threads=threads, n_ctx=n_ctx, prefix_cache_mb=0, order_policy=ONE_READ
+    )
     engine = Engine(settings)
     contexts: list[tuple[Variant, Llama]] = []
     try:
@@ -121,6 +129,7 @@ def study(
         order = list(runs)
         for r in range(repeats):
             for i in range(len(decisions)):
+                progress(f"round {r + 1} of {repeats}, decision {i + 1} of {len(decisions)}")
                 rotated = order[(i + r) % len(order) :] + order[: (i + r) % len(order)]
                 for name in rotated:
                     seconds[name].append(runs[name](i))
@@ -133,6 +142,7 @@ def study(
         name: {
             "p50_ms": 1000 * statistics.median(values),
             "ratio_median": statistics.median(v / b for v, b in zip(values, base, strict=True)),
+            "pairs": [v / b for v, b in zip(values, base, strict=True)],
         }
         for name, values in seconds.items()
     }

@@ -26,14 +26,23 @@ from pathlib import Path
 from typing import Any
 
 from arbiter.engine import Engine, open_engine
-from bench.common import QUESTIONS, case_decision, sized_state
-from bench.floor import floor_shared, plain_pass
+from arbiter.errors import UnsupportedSetting
+from bench.common import ONE_READ, QUESTIONS, case_decision, sized_state
+from bench.figures import Progress, Ratio, check
+from bench.floor import floor_shared, one_read, plain_pass
 from bench.many_options import bench_many_options, render_rows
 
+# `--smoke` (make bench-smoke): the smallest size that runs every row.
+SMOKE: dict[str, Any] = {"repeats": 1, "long_prompt": 0, "lora": None, "adapter_only": False}
 
-def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
+
+def bench_single(
+    engine: Engine, target: int, repeats: int, progress: Progress | None = None
+) -> dict[str, Any]:
     ours, floors, n_tokens = [], [], 0
     for r in range(repeats + 1):
+        if progress:
+            progress(f"single decision, ~{target} tokens: {r} of {repeats + 1}")
         request = case_decision(r, sized_state(engine, 1000 * target + r, target))
         tokens = engine.prompt_tokens(request)
         n_tokens = len(tokens)
@@ -41,7 +50,7 @@ def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
         started = time.perf_counter()
         outcome = engine.score([request])[0]
         elapsed = time.perf_counter() - started
-        assert not isinstance(outcome, Exception), outcome
+        one_read(outcome)
         if r:  # the first pair warms up
             ours.append(elapsed)
             floors.append(floor_s)
@@ -51,6 +60,7 @@ def bench_single(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
         "engine_p50_ms": 1000 * ours_p50,
         "floor_p50_ms": 1000 * floor_p50,
         "ratio": ours_p50 / floor_p50,
+        "pairs": [o / f for o, f in zip(ours, floors, strict=True)],
     }
 
 
@@ -62,7 +72,7 @@ def _timed_single(engine: Engine, seed: int, target: int) -> tuple[float, float,
     started = time.perf_counter()
     outcome = engine.score([request])[0]
     elapsed = time.perf_counter() - started
-    assert not isinstance(outcome, Exception), outcome
+    one_read(outcome)
     return elapsed, floor_s, len(tokens)
 
 
@@ -99,19 +109,25 @@ def bench_adapter(engine: Engine, target: int, repeats: int) -> dict[str, Any]:
         "floor_without_ms": off_floor_ms,
         "with_vs_without": on_ms / off_ms,
         "with_vs_floor_with": on_ms / on_floor_ms,
+        "with_vs_without_pairs": [
+            a / b for a, b in zip(runs[True][0], runs[False][0], strict=True)
+        ],
+        "with_vs_floor_with_pairs": [a / b for a, b in zip(*runs[True], strict=True)],
     }
 
 
-def bench_shared(engine: Engine, repeats: int) -> dict[str, Any]:
+def bench_shared(engine: Engine, repeats: int, progress: Progress | None = None) -> dict[str, Any]:
     grouped, independent, floors = [], [], []
     for r in range(repeats + 1):
+        if progress:
+            progress(f"8 questions on one state: {r} of {repeats + 1}")
         state = sized_state(engine, 77_000 + r, 400, whole_prompt=False)
         requests = [case_decision(i, state, q) for i, q in enumerate(QUESTIONS)]
         engine.cache.clear()
         started = time.perf_counter()
-        results = engine.score(requests)
+        results = [one_read(o) for o in engine.score(requests)]
         grouped_s = time.perf_counter() - started
-        prefix_len = results[0].prompt.prefix_tokens  # type: ignore[union-attr]
+        prefix_len = results[0].prompt.prefix_tokens
         started = time.perf_counter()
         for request in requests:
             engine.cache.clear()
@@ -134,6 +150,8 @@ def bench_shared(engine: Engine, repeats: int) -> dict[str, Any]:
         "floor_ms": 1000 * f,
         "speedup_vs_independent": i / g,
         "ratio_vs_floor": g / f,
+        "speedup_pairs": [a / b for a, b in zip(independent, grouped, strict=True)],
+        "vs_floor_pairs": [a / b for a, b in zip(grouped, floors, strict=True)],
     }
 
 
@@ -150,16 +168,19 @@ def bench_memory(engine: Engine) -> dict[str, Any]:
 
 
 def run(engine: Engine, repeats: int, long_prompt: int = 0) -> dict[str, Any]:
+    progress = Progress("engine")
     report: dict[str, Any] = {"model": engine.model_info.model_dump()}
-    report["single_150"] = bench_single(engine, 150, repeats)
-    report["single_600"] = bench_single(engine, 600, repeats)
+    report["single_150"] = bench_single(engine, 150, repeats, progress)
+    report["single_600"] = bench_single(engine, 600, repeats, progress)
     if long_prompt:
-        report["single_long"] = bench_single(engine, long_prompt, repeats)
-    report["shared_8x400"] = bench_shared(engine, max(1, repeats // 2))
+        report["single_long"] = bench_single(engine, long_prompt, repeats, progress)
+    report["shared_8x400"] = bench_shared(engine, max(1, repeats // 2), progress)
     if any(a.scale for a in engine.adapters):
+        progress("the adapter rows", always=True)
         report["adapter_150"] = bench_adapter(engine, 150, repeats)
         report["adapter_600"] = bench_adapter(engine, 600, repeats)
     report["memory"] = bench_memory(engine)
+    progress("many options (26, 60 and 255)", always=True)
     report["many_options"] = bench_many_options(
         engine,
         max(2, repeats // 2),
@@ -168,10 +189,53 @@ def run(engine: Engine, repeats: int, long_prompt: int = 0) -> dict[str, Any]:
     # Opt-in: all questions of the state in one llama_decode (see docs/decisions.md, Numerics).
     engine.settings = engine.settings.model_copy(update={"parallel_branches": True})
     try:
-        report["shared_8x400_parallel"] = bench_shared(engine, max(1, repeats // 2))
+        report["shared_8x400_parallel"] = bench_shared(engine, max(1, repeats // 2), progress)
     finally:
         engine.settings = engine.settings.model_copy(update={"parallel_branches": False})
     return report
+
+
+def ratios(report: dict[str, Any]) -> list[Ratio]:
+    """Every ratio the report prints, with what it can physically be: the engine does at least
+    the floor's work (a decision's prefill; the prefix once and each suffix), and an adapter only
+    adds work, so none of these can be below 1."""
+    out = []
+    for key in ("single_150", "single_600", "single_long"):
+        if key in report:
+            row = report[key]
+            out.append(Ratio(f"{key}_vs_floor", row["ratio"], tuple(row["pairs"]), floor=1.0))
+    for key in ("shared_8x400", "shared_8x400_parallel"):
+        row = report[key]
+        out.append(
+            Ratio(f"{key}_vs_floor", row["ratio_vs_floor"], tuple(row["vs_floor_pairs"]), 1.0)
+        )
+        out.append(
+            Ratio(f"{key}_speedup", row["speedup_vs_independent"], tuple(row["speedup_pairs"]))
+        )
+    for n in (26, 60):
+        row = report["many_options"][f"options_{n}"]
+        out.append(Ratio(f"options_{n}_vs_floor", row["ratio"], tuple(row["pairs"]), floor=1.0))
+    for key in ("adapter_150", "adapter_600"):
+        if key in report:
+            out += _adapter_ratios(key, report[key])
+    return out
+
+
+def _adapter_ratios(key: str, row: dict[str, Any]) -> list[Ratio]:
+    return [
+        Ratio(
+            f"{key}_with_vs_without",
+            row["with_vs_without"],
+            tuple(row["with_vs_without_pairs"]),
+            1.0,
+        ),
+        Ratio(
+            f"{key}_vs_floor_with",
+            row["with_vs_floor_with"],
+            tuple(row["with_vs_floor_with_pairs"]),
+            1.0,
+        ),
+    ]
 
 
 def render(report: dict[str, Any]) -> str:
@@ -234,16 +298,17 @@ def _adapter_rows(report: dict[str, Any]) -> list[str]:
 def _adapter_only(engine: Engine, args: argparse.Namespace) -> int:
     """Only the adapter rows (``--adapter-only``): more repeats of them in the same time."""
     report = {key: bench_adapter(engine, n, args.repeats) for key, n in _ADAPTER_ROWS}
-    ratios = {
+    summary: dict[str, Any] = {
         f"{key}_{name}": round(report[key][name], 4)
         for key, _ in _ADAPTER_ROWS
         for name in ("with_vs_without", "with_vs_floor_with")
     }
+    warnings = check(r for key, _ in _ADAPTER_ROWS for r in _adapter_ratios(key, report[key]))
     if args.json:
         print(json.dumps(report))
     else:
         print("\n".join(_adapter_rows(report)))
-    print(json.dumps(ratios))
+    print(json.dumps({**summary, "warnings": warnings}))
     return 0
 
 
@@ -254,7 +319,17 @@ def _lora_setting(value: str | None, model: Path, directory: Path) -> str | None
     """``--lora``: an ARBITER_LORA value, or ``random`` (a seeded rank-8 adapter for ``model``)."""
     if value != "random":
         return value
-    from bench.lora_adapter import write_lora
+    try:
+        from bench.lora_adapter import write_lora
+    except ModuleNotFoundError as exc:
+        if exc.name != "gguf":
+            raise
+        # `make run` installs the package and its local extra only; gguf comes with `make setup`.
+        raise UnsupportedSetting(
+            "--lora random writes its adapter with llama.cpp's gguf package, which `make run` "
+            "does not install: .venv/bin/pip install -c constraints.txt -e '.[bench]' "
+            "(make setup installs it too), or pass --lora an adapter file"
+        ) from None
 
     return str(write_lora(model, directory / "random-lora.gguf", rank=8, alpha=8.0, seed=0))
 
@@ -265,7 +340,7 @@ def main(args: argparse.Namespace) -> int:
     from arbiter.models import resolve_model
     from arbiter.settings import EngineSettings
 
-    settings = EngineSettings()
+    settings = EngineSettings().model_copy(update={"order_policy": ONE_READ})
     if args.model is not None:
         settings = settings.model_copy(update={"model": args.model})
     with tempfile.TemporaryDirectory(prefix="arbiter-bench-lora-") as directory:
@@ -286,7 +361,7 @@ def _main(engine: Engine, args: argparse.Namespace) -> int:
         report = run(engine, args.repeats, getattr(args, "long_prompt", 0))
     finally:
         engine.close()
-    ratios = {
+    summary: dict[str, Any] = {
         "single_150_vs_floor": round(report["single_150"]["ratio"], 4),
         "single_600_vs_floor": round(report["single_600"]["ratio"], 4),
         "shared_speedup_vs_independent": round(report["shared_8x400"]["speedup_vs_independent"], 3),
@@ -299,13 +374,13 @@ def _main(engine: Engine, args: argparse.Namespace) -> int:
     }
     for key in ("adapter_150", "adapter_600"):
         if key in report:
-            ratios[f"{key}_with_vs_without"] = round(report[key]["with_vs_without"], 4)
-            ratios[f"{key}_vs_floor_with"] = round(report[key]["with_vs_floor_with"], 4)
+            summary[f"{key}_with_vs_without"] = round(report[key]["with_vs_without"], 4)
+            summary[f"{key}_vs_floor_with"] = round(report[key]["with_vs_floor_with"], 4)
+    summary["warnings"] = check(ratios(report))
     if args.json:
         print(json.dumps(report))
-        print(json.dumps(ratios))
     else:
         print(render(report))
         print()
-        print(json.dumps(ratios))
+    print(json.dumps(summary))
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from typing import Any
 
@@ -23,6 +24,10 @@ from adapter import execution
 from adapter.app import create_app
 from arbiter.engine import Engine, open_engine
 from arbiter.settings import ServerSettings
+from bench.figures import Ratio, check
+
+# `--smoke` (make bench-smoke): the smallest size that runs every row.
+SMOKE: dict[str, Any] = {"lines": 6, "questions": 3}
 
 
 def _lines(count: int, questions: int) -> bytes:
@@ -75,6 +80,7 @@ async def _measure(engine: Engine, lines: int, questions: int) -> list[tuple[str
                 ("independent (1 question per state)", 1),
                 (f"grouped ({questions} questions per state)", questions),
             ):
+                print(f"[bench faults] {lines} lines, {label}", file=sys.stderr, flush=True)
                 engine.cache.clear()
                 seconds, records = await _post(
                     session, f"{base}/invocations", _lines(lines, per_state)
@@ -102,6 +108,18 @@ def main(args: argparse.Namespace) -> int:
     for label, ok, seconds in rows:
         rate = ok / seconds
         print(f"| {label} | {ok} | {seconds:.1f} | {rate:.2f} | {int(rate * 3600):,} |")
+    # Grouping only removes prefills: grouped lines cannot take longer than independent ones.
+    (_, _, independent_s), (_, _, grouped_s) = rows
+    check(
+        [
+            Ratio(
+                "grouped_vs_independent",
+                independent_s / grouped_s,
+                (independent_s / grouped_s,),
+                1.0,
+            )
+        ]
+    )
     print()
     print(
         f"Batch Transform probe: {speed.seconds_per_mb:.0f} s per MB of ~1 kB lines "

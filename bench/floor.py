@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from arbiter.engine import Engine
-from arbiter.schema import DecisionRequest
+from arbiter.schema import DecisionRequest, DecisionResult
 
 
 def plain_pass(engine: Engine, tokens: np.ndarray) -> tuple[np.ndarray, float]:
@@ -45,6 +45,20 @@ def floor_shared(
             suffix_s += time.perf_counter() - started
             llama.remove(0, n)
     return prefix_s, suffix_s
+
+
+def one_read(outcome: object) -> DecisionResult:
+    """A decision that can be set beside its floor: scored, in one read of the given order. By
+    default the engine reads more orders while the leader is unclear (four on the bundled model),
+    which a floor of one prefill cannot be compared with: the engine bench printed 2.6x the floor."""
+    if not isinstance(outcome, DecisionResult):
+        raise RuntimeError(f"the engine failed a benchmark decision: {outcome}")
+    if outcome.orders_read != 1:
+        raise RuntimeError(
+            f"the engine read {outcome.orders_read} orders of a decision set beside a floor of one "
+            "read: measure it with order_policy 'single' (bench.common.ONE_READ)"
+        )
+    return outcome
 
 
 def reference_option_logits(engine: Engine, request: DecisionRequest) -> np.ndarray:

@@ -49,6 +49,12 @@ def _extract(sdist: Path, into: Path) -> Path:
     return into / prefix.rstrip("/")
 
 
+def built() -> Path | None:
+    """The cached ``llama-server`` binary, or None when it has not been built here yet."""
+    binary = cache_dir(llama_build.cmake_args()) / "llama-server"
+    return binary if binary.is_file() else None
+
+
 def ensure_built(log: Path | None = None) -> Path:
     """The ``llama-server`` binary, building it first when the cache has none."""
     args = llama_build.cmake_args()  # the flags the wheel was built with on this machine

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,12 @@ from arbiter.engine import Engine
 from arbiter.models import bundled_model, smollm2_path
 from arbiter.schema import DecisionRequest, DecisionResult
 from arbiter.settings import EngineSettings
+from bench.common import LABELED, ONE_READ
+from bench.figures import Ratio, check
 from bench.floor import plain_pass
+
+# `--smoke` (make bench-smoke): the smallest size that runs every row.
+SMOKE: dict[str, Any] = {"file": str(LABELED), "limit": 2}
 
 
 def _load(path: Path) -> tuple[list[DecisionRequest], list[str]]:
@@ -35,7 +41,10 @@ def _load(path: Path) -> tuple[list[DecisionRequest], list[str]]:
 
 def measure(model: Path, requests: list[DecisionRequest], labels: list[str]) -> dict[str, Any]:
     started = time.perf_counter()
-    engine = Engine(EngineSettings(model=model, prefix_cache_mb=0, read_check="warn"))
+    settings = EngineSettings(
+        model=model, prefix_cache_mb=0, read_check="warn", order_policy=ONE_READ
+    )
+    engine = Engine(settings)
     load_s = time.perf_counter() - started
     try:
         engine.score(requests[:1])  # warm-up
@@ -65,6 +74,17 @@ def measure(model: Path, requests: list[DecisionRequest], labels: list[str]) -> 
             "label_mass_min": min(masses),
             "ms_per_decision_p50": 1000 * statistics.median(per_decision),
             "vs_floor_p50": statistics.median(vs_floor),
+            # A decision does at least the floor's prefill of its own tokens.
+            "warnings": check(
+                [
+                    Ratio(
+                        f"{engine.model_info.file} vs_floor",
+                        statistics.median(vs_floor),
+                        tuple(vs_floor),
+                        1.0,
+                    )
+                ]
+            ),
             "load_s": load_s,
             "read_check_mass": engine.read_check.allowed_mass,
             "read_check_s": engine.read_check.seconds,
@@ -89,7 +109,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"({entry.name} is not installed: `arbiter models install {entry.name}`)")
         else:
             candidates.append(path)
-    rows = [measure(path, requests, labels) for path in candidates]
+    rows = []
+    for i, path in enumerate(candidates):
+        print(f"[bench models] {path.name}: model {i + 1} of {len(candidates)}", file=sys.stderr)
+        rows.append(measure(path, requests, labels))
     if args.json:
         print(json.dumps(rows))
         return 0

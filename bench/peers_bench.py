@@ -46,6 +46,7 @@ import numpy as np
 from arbiter.schema import DecisionRequest
 from bench import context_study, llama_server
 from bench.common import (
+    ONE_READ,
     QUESTIONS,
     ROOT,
     case_decision,
@@ -54,6 +55,16 @@ from bench.common import (
     stop,
     wait_until_ready,
 )
+from bench.figures import Progress, Ratio, check
+
+# `--smoke` (make bench-smoke): the smallest size that runs every row.
+SMOKE: dict[str, Any] = {
+    "decisions": 3,
+    "states": 1,
+    "repeats": 1,
+    "study_repeats": 1,
+    "no_chat": True,
+}
 
 LOGS = ROOT / ".bench"
 
@@ -116,6 +127,7 @@ def arbiter_server(
         "ARBITER_N_THREADS": str(threads),
         "ARBITER_PREFIX_CACHE_MB": str(cache_mb),
         "ARBITER_PARALLEL_BRANCHES": str(parallel_branches).lower(),
+        "ARBITER_ORDER_POLICY": ONE_READ,
         "ARBITER_LOG_LEVEL": "warning",
     }
     cmd = [sys.executable, "-m", "arbiter", "serve", "--host", "127.0.0.1", "--port", str(port)]
@@ -174,6 +186,7 @@ def paired(
         "ratio_median": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
+        "pairs": ratios,
         "compute_ratio_median": statistics.median(server_ratios) if server_ratios else None,
         "arbiter_compute_p50_ms": 1000 * statistics.median(s.server_s for s in a),
         "server_compute_p50_ms": 1000 * statistics.median(s.server_s for s in b),
@@ -317,18 +330,32 @@ def main(args: argparse.Namespace) -> int:
     threads = args.threads
     work = build_workload(model, args.decisions, args.states)
     rows: dict[str, Any] = {}
+    if getattr(args, "smoke", False) and not args.only_study and llama_server.built() is None:
+        print(
+            "[bench peers] llama-server is not built here (about 20 minutes on 2 cores, once): "
+            "this smoke run measures the in-process study alone",
+            file=sys.stderr,
+        )
+        args.only_study = True
     if not args.only_study:
         binary = llama_server.ensure_built(LOGS / "llama-server-build.log")
         print(f"llama-server: {binary}", flush=True)
     if not args.no_study:
         print("in process, the same tokens on contexts that differ in one setting:", flush=True)
         rows["context"] = context_study.study(
-            model, threads, args.n_ctx, [d for d, _ in work.cold], args.study_repeats
+            model,
+            threads,
+            args.n_ctx,
+            [d for d, _ in work.cold],
+            args.study_repeats,
+            Progress("peers, the study"),
         )
         print(context_study.render(rows["context"]), flush=True)
     if args.only_study:
+        report = {"model": model.name, "threads": threads, "rows": rows}
+        report["warnings"] = check(_ratios(rows))
         if args.json:
-            print(json.dumps({"model": model.name, "threads": threads, "rows": rows}))
+            print(json.dumps(report))
         return 0
     with cpp_server(model, args.n_ctx, threads) as cpp:
         with arbiter_server(model, threads, cache_mb=0) as arbiter:
@@ -348,6 +375,22 @@ def main(args: argparse.Namespace) -> int:
         rows["chat"] = chat_row(chat_model, args.n_ctx, threads, texts)
         print(f"chat, top_logprobs 20 ({chat_model.name})  {_fmt(rows['chat'])}", flush=True)
     report = {"model": model.name, "threads": threads, "rows": rows}
+    report["warnings"] = check(_ratios(rows))
     if args.json:
         print(json.dumps(report))
     return 0
+
+
+def _ratios(rows: dict[str, Any]) -> list[Ratio]:
+    """Each paired row's median ratio and its pairs (two servers: no physical floor between them),
+    and the study's rows against the server-shaped context's prefill."""
+    out = [
+        Ratio(name, row["ratio_median"], tuple(row["pairs"]))
+        for name, row in rows.items()
+        if name != "context"
+    ]
+    out += [
+        Ratio(f"study: {name.strip()}", row["ratio_median"], tuple(row["pairs"]))
+        for name, row in list(rows.get("context", {}).items())[1:]
+    ]
+    return out

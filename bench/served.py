@@ -69,7 +69,10 @@ def served(env: Mapping[str, str] | None = None, model: Path | None = None) -> I
     """`arbiter serve` on a free loopback port until the block ends (JSON logs, in a file)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
+    # The caller's settings are left out; where its models are stored is not a setting.
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("ARBITER_", "SM_"))}
+    if "ARBITER_MODEL_STORE" in os.environ:
+        clean["ARBITER_MODEL_STORE"] = os.environ["ARBITER_MODEL_STORE"]
     full_env = {**clean, "ARBITER_PORT": str(port), "ARBITER_LOG_JSON": "true", **(env or {})}
     command = [sys.executable, "-m", "arbiter", "serve"]
     if model is not None:

@@ -24,6 +24,9 @@ from typing import Any
 
 from aiohttp import web
 
+# `--smoke` (make bench-smoke): the smallest size that runs every row.
+SMOKE: dict[str, Any] = {"mb": 2}
+
 MB = 1024 * 1024
 BUCKET = "bench-transform"
 _LINE = b'{"id": "%08d", "state": {"text": "' + b"x" * 200 + b'"}, "question": "q?"}\n'
@@ -168,6 +171,7 @@ def main(args: argparse.Namespace) -> int:
             for case in CASES:
                 measured = {}
                 for size in (1, args.mb):
+                    print(f"[bench transform] {case.label}: {size} MB", file=sys.stderr, flush=True)
                     key = f"in-{size}/object.jsonl"
                     s3.put_object(Bucket=BUCKET, Key=key, Body=object_of(size))
                     command = [

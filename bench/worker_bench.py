@@ -40,6 +40,16 @@ from typing import Any
 from arbiter.settings import EngineSettings
 from bench.common import QUESTIONS as CASE_QUESTIONS
 from bench.common import ROOT, case_decision, sized_state
+from bench.figures import Ratio, check
+
+# `--smoke` (make bench-smoke): the smallest size that runs every row.
+SMOKE: dict[str, Any] = {
+    "decisions": 20,
+    "ungrouped": 4,
+    "state_tokens": 100,
+    "segments": 2,
+    "fanout": 0,
+}
 
 QUESTIONS = [*CASE_QUESTIONS, "What should happen next?", "Who should be told first?"]
 
@@ -212,13 +222,19 @@ def _job_bytes(decisions: list[Any]) -> bytes:
 
 async def measure(
     engine: Any, decisions: list[Any], args: argparse.Namespace, threads: int, chunk: int
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """The three paths, alternated segment by segment so that they share the machine's load."""
     n = len(decisions)
     segments = max(1, min(args.segments, n // 10))
     per = -(-n // segments)
     every = max(1, n // max(1, args.ungrouped))  # ungrouped sample: one decision in `every`
-    totals = {"engine_s": 0.0, "e2e_s": 0.0, "worker_engine_s": 0.0, "ungrouped_s": 0.0}
+    totals: dict[str, Any] = {
+        "engine_s": 0.0,
+        "e2e_s": 0.0,
+        "worker_engine_s": 0.0,
+        "ungrouped_s": 0.0,
+        "segments": [],
+    }
     ungrouped_n = 0
     stack = Stack(threads, chunk)
     async with stack.s3_when_ready(180) as s3:
@@ -226,15 +242,21 @@ async def measure(
             part = decisions[i * per : (i + 1) * per]
             if not part:
                 break
-            totals["engine_s"] += engine_path(engine, part, chunk)
+            engine_s = engine_path(engine, part, chunk)
+            totals["engine_s"] += engine_s
             sample = [d for j, d in enumerate(part, start=i * per) if j % every == 0]
-            totals["ungrouped_s"] += ungrouped_path(engine, sample)
+            ungrouped_s = ungrouped_path(engine, sample)
+            totals["ungrouped_s"] += ungrouped_s
             ungrouped_n += len(sample)
             seconds, summary = await stack.run_job(
                 s3, f"incoming/bench-{i}.jsonl", _job_bytes(part)
             )
             assert summary["ok"] == len(part), summary
             totals["e2e_s"] += seconds
+            # Per decision, each path's seconds in this segment: the pairs of the ratios' spread.
+            totals["segments"].append(
+                (engine_s / len(part), seconds / len(part), ungrouped_s / max(1, len(sample)))
+            )
             totals["worker_engine_s"] += summary["seconds"]["engine"]
             print(
                 f"segment {i + 1}/{segments}: {len(part)} decisions, engine "
@@ -279,6 +301,7 @@ def main(args: argparse.Namespace) -> int:
         "ungrouped_decisions_per_s": round(ungrouped_rate, 3),
         "grouped_vs_ungrouped": round(engine_rate / ungrouped_rate, 2),
         "targets": {"end_to_end_vs_engine": ">= 0.90", "grouped_vs_ungrouped": ">= 4"},
+        "warnings": check(_ratios(t["segments"], engine_rate, e2e_rate, ungrouped_rate)),
     }
     if args.json:
         print(json.dumps(report))
@@ -291,6 +314,21 @@ def main(args: argparse.Namespace) -> int:
             f"ratio {report['grouped_vs_ungrouped']:.2f}x (target >= 4x)"
         )
     return 0
+
+
+def _ratios(
+    segments: list[tuple[float, float, float]], engine: float, e2e: float, ungrouped: float
+) -> list[Ratio]:
+    """End to end runs the engine alone's work plus S3 and SQS, so it cannot be faster (a rate
+    ratio above 1); grouping only removes prefills, so it cannot be slower than ungrouped."""
+    return [
+        Ratio(
+            "end_to_end_vs_engine", e2e / engine, tuple(a / b for a, b, _ in segments), ceiling=1.0
+        ),
+        Ratio(
+            "grouped_vs_ungrouped", engine / ungrouped, tuple(c / a for a, _, c in segments), 1.0
+        ),
+    ]
 
 
 # -- fan-out ---------------------------------------------------------------------------------------
@@ -369,6 +407,22 @@ def fanout_main(args: argparse.Namespace) -> int:
         "runs": rows,
         f"speedup_{n}_processes_vs_whole": round(whole / split_n, 3),
         "split_overhead_one_process": round(split_one / whole, 3),
+        # Round by round; splitting on one process adds the merge to the same work.
+        "warnings": check(
+            [
+                Ratio(
+                    f"speedup_{n}_processes_vs_whole",
+                    whole / split_n,
+                    tuple(a / b for a, b in zip(walls[0], walls[2], strict=True)),
+                ),
+                Ratio(
+                    "split_overhead_one_process",
+                    split_one / whole,
+                    tuple(a / b for a, b in zip(walls[1], walls[0], strict=True)),
+                    floor=1.0,
+                ),
+            ]
+        ),
     }
     if args.json:
         print(json.dumps(report))

@@ -24,6 +24,7 @@ from emulator.backlog import BACKLOG, Backlog
 from emulator.container import Container
 from emulator.errors import errors
 from emulator.metrics import RuntimeMetrics
+from emulator.protocol import FrontHandler
 from emulator.readiness import Readiness
 from emulator.settings import RuntimeSettings
 from emulator.state import FRONT, Front
@@ -77,7 +78,11 @@ def create_app(
 
 @web.middleware
 async def _count(request: web.Request, handler: Handler) -> web.StreamResponse:
-    response = await handler(request)
+    try:
+        response = await handler(request)
+    finally:
+        if isinstance(request.protocol, FrontHandler):  # the next request's headers are timed
+            request.protocol.next_request()
     operation = _NAMES.get(request.path.rsplit("/", 1)[-1])
     if operation is not None and request.path.startswith("/endpoints/"):
         request.app[FRONT].metrics.invocations.labels(operation, str(response.status)).inc()

@@ -52,6 +52,23 @@ class AsyncRequest:
         return cls(**raw)
 
 
+def salvage(text: str, now: float) -> AsyncRequest | None:
+    """What a message that is not a whole request still says: its inference id and locations,
+    enough to answer it with a failure (None when it names no output location)."""
+    try:
+        raw = json.loads(text)
+        inference_id, output = raw["inference_id"], parse_uri(raw["output"])
+        failure = parse_uri(raw["failure"]) if raw.get("failure") else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not isinstance(inference_id, str) or not inference_id:
+        return None
+    received = raw.get("received") if isinstance(raw.get("received"), str) else now_iso()
+    return AsyncRequest(
+        inference_id, output, failure, None, None, None, None, None, 0, 0, now, received
+    )
+
+
 def iso(moment: datetime) -> str:
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 

@@ -11,8 +11,11 @@ Every request taken ends in one of three ways, each logged with its inference id
   failure object (JSON with the ``failureReason``) at the failure location and the error
   notification; if even that write fails, the notification alone says why;
 - handed back to the queue (visibility 0): the container refused the connection (it went away
-  after its ping), or the front is stopping and the drain time ran out. A request whose outcome
-  could be neither written nor notified is handed back too, to be tried again in 30 s.
+  after its ping), or the front is stopping and the drain time ran out; or, after its
+  ``Retry-After``, the container answered 503 ``retryable`` (busy: here real-time traffic shares
+  its admission, where on AWS the async endpoint has instances of its own). The request's TTL
+  bounds how long it may wait so. A request whose outcome could be neither written nor notified
+  is handed back too, and waits for the store (``emulator.recording``), not the container's time.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ from typing import Any
 import aiohttp
 
 from arbiter.logging import get_logger
+from emulator import limits
 from emulator.async_request import AsyncRequest
 from emulator.backlog import Backlog, Held
 from emulator.container import Container, ContainerUnreachable, Invocation, passed_back
 from emulator.metrics import RuntimeMetrics
 from emulator.notify import Outcome, message, publish
 from emulator.readiness import Readiness
+from emulator.recording import StoreGate, unrecorded_delay
 from emulator.s3io import READ_BYTES, ObjectWriter
 from emulator.template import AsyncSpec
 
@@ -46,6 +51,18 @@ class _NotReached(Exception):
 
 class _WriteFailed(Exception):
     """An S3 write of an answer failed."""
+
+
+class _Busy(Exception):
+    """The container answered 503 ``retryable``: full (of real-time traffic, here where both
+    endpoints share it; on AWS the async endpoint has instances of its own). Not an answer."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(f"the container is busy (503, retryable); again in {delay_s:g} s")
+        self.delay_s = delay_s
+
+
+BUSY_PEEK = 64 * 1024  # a busy answer is a small JSON error; a larger 503 body is an answer
 
 
 class AsyncWorkers:
@@ -79,6 +96,7 @@ class AsyncWorkers:
         self.endpoint = endpoint
         self.region = region
         self.readable = readable  # the endpoint role's input prefix (s3://bucket/async/input/)
+        self.gate = StoreGate(s3)
         self.stopping = asyncio.Event()
         self.held: dict[int, Held] = {}
         self.tasks: list[asyncio.Task[None]] = []
@@ -111,10 +129,29 @@ class AsyncWorkers:
         left = await _quietly(self.backlog.count())
         log.info("async_stopped", backlog_left=left)
 
+    async def _ready(self) -> bool:
+        """Wait for the container's ping; False once the front is stopping (a worker waiting for
+        a container that never came must not hold the stop for its drain time)."""
+        ready = asyncio.ensure_future(self.readiness.wait())
+        stopping = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (ready, stopping):
+                task.cancel()
+            await asyncio.gather(ready, stopping, return_exceptions=True)
+        return self._taking()
+
+    def _taking(self) -> bool:
+        """Whether a worker may take work: after a SIGTERM, none (before a take, and for what a
+        take in flight when it came brought back)."""
+        return not self.stopping.is_set()  # SIGTERM: no more work taken
+
     async def _work(self, n: int) -> None:
         while True:
             try:
-                await self.readiness.wait()
+                if not await self._ready():
+                    return
                 held = await self.backlog.take(TAKE_WAIT_S)
             except asyncio.CancelledError:
                 raise
@@ -122,7 +159,7 @@ class AsyncWorkers:
                 log.warning("async_take_failed", error=repr(exc))
                 await asyncio.sleep(1)
                 continue
-            if self.stopping.is_set():  # SIGTERM: no more work taken
+            if not self._taking():
                 if held is not None:  # it arrived during the poll the SIGTERM found
                     await self.backlog.release(held)
                 return
@@ -148,13 +185,29 @@ class AsyncWorkers:
 
     async def _handle(self, held: Held) -> None:
         request = held.request
+        if held.unreadable is None and not await self.gate.open(request.output.bucket):
+            delay = unrecorded_delay(held.receives, RETRY_UNRECORDED_S)
+            await self.backlog.release(held, delay)
+            log.warning("async_requeued", inference_id=request.inference_id, why="store down")
+            return
         async with self.backlog.holding(held):
             try:
-                outcome = await self.answer(request)
+                outcome = (
+                    await self._failed(request, f"InternalFailure: {held.unreadable}; not run")
+                    if held.unreadable is not None
+                    else await self.answer(request)
+                )
             except _NotReached as exc:
                 self.readiness.lost()
                 await self.backlog.release(held)
                 log.warning("async_requeued", inference_id=request.inference_id, why=str(exc))
+                return
+            except _Busy as exc:  # back to the queue, and this worker waits as the 503 asks
+                delay = max(1, round(exc.delay_s))
+                await self.backlog.release(held, delay)
+                log.warning("async_requeued", inference_id=request.inference_id, why=str(exc))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), delay)
                 return
             topic = (
                 self.spec.success_topic if outcome.status == "Completed" else self.spec.error_topic
@@ -177,9 +230,11 @@ class AsyncWorkers:
         )
         if outcome.output_written or outcome.failure_written or notified:
             await self.backlog.done(held)
-        else:  # nothing recorded anywhere: it is not answered, so it goes back
-            log.error("async_unrecorded", inference_id=request.inference_id, retry_s=30)
-            await self.backlog.release(held, RETRY_UNRECORDED_S)
+        else:  # nothing recorded anywhere: it is not answered, so it goes back (emulator.recording)
+            self.gate.shut = True
+            delay = unrecorded_delay(held.receives, RETRY_UNRECORDED_S)
+            log.error("async_unrecorded", inference_id=request.inference_id, retry_s=delay)
+            await self.backlog.release(held, delay)
 
     async def answer(self, request: AsyncRequest) -> Outcome:
         waited = self.clock() - request.queued_at
@@ -208,11 +263,12 @@ class AsyncWorkers:
             ):
                 status = reply.status
                 content_type, _ = passed_back(reply)
+                head = await _busy_check(reply) if status == 503 else b""
                 target = request.output if status < 400 else request.failure
                 if target is None:  # no S3FailurePath: the notification alone
                     await reply.read()
                     return Outcome("Failed", content_type, _model_reason(status))
-                await _copy(reply, ObjectWriter(self.s3, target, content_type))
+                await _copy(reply, ObjectWriter(self.s3, target, content_type), head)
         except ContainerUnreachable as exc:
             raise _NotReached(str(exc)) from exc
         except TimeoutError:
@@ -273,6 +329,13 @@ class AsyncWorkers:
             got = await self.s3.get_object(Bucket=source.bucket, Key=source.key)
         except Exception as exc:
             raise _InputError(f"could not read the input at {source} ({exc})") from exc
+        size, most = int(got.get("ContentLength") or 0), limits.MAX_ASYNC_INPUT_BYTES
+        if size > most:  # documented, and now enforced: before, 1.1 GB was answered
+            got["Body"].close()
+            raise _InputError(
+                f"the input at {source} is {size:,} bytes, over Asynchronous Inference's "
+                f"{most:,}-byte (1 GB) payload limit"
+            )
         return _stream(got["Body"])
 
 
@@ -284,10 +347,33 @@ def _model_reason(status: int) -> str:
     )
 
 
-async def _copy(reply: aiohttp.ClientResponse, writer: ObjectWriter) -> None:
-    """The container's body into ``writer``; an S3 failure is :class:`_WriteFailed`, a container
-    failure passes as it is, and either way a multipart upload begun is aborted."""
+async def _busy_check(reply: aiohttp.ClientResponse) -> bytes:
+    """The start of a 503's body; :class:`_Busy` if it says ``retryable`` (the container's
+    admission is full), with its ``Retry-After``."""
+    head = await reply.content.read(BUSY_PEEK)
     try:
+        error = json.loads(head).get("error", {})
+    except (ValueError, AttributeError):
+        return head
+    if isinstance(error, dict) and error.get("retryable") is True:
+        try:
+            delay = float(reply.headers.get("Retry-After", "1"))
+        except ValueError:
+            delay = 1.0
+        raise _Busy(min(max(delay, 1.0), 30.0))
+    return head
+
+
+async def _copy(reply: aiohttp.ClientResponse, writer: ObjectWriter, head: bytes = b"") -> None:
+    """The container's body (``head`` already read of it) into ``writer``; an S3 failure is
+    :class:`_WriteFailed`, a container failure passes as it is, and either way a multipart upload
+    begun is aborted."""
+    try:
+        if head:
+            try:
+                await writer.write(head)
+            except Exception as exc:
+                raise _WriteFailed(repr(exc)) from exc
         async for chunk in reply.content.iter_any():
             try:
                 await writer.write(chunk)

@@ -17,17 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from botocore.exceptions import ClientError
 
 from arbiter.logging import get_logger
-from emulator.async_request import AsyncRequest
+from emulator.async_request import AsyncRequest, salvage
 from emulator.errors import ServiceUnavailable
 
 log = get_logger("arbiter.runtime")
+_EXISTS = {"QueueAlreadyExists", "QueueNameExists"}
+_GONE = {"AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"}
 RETENTION_S = 1_209_600  # SQS's longest (14 days): longer than any RequestTTLSeconds (6 h)
 
 
@@ -38,14 +42,25 @@ class Held:
     request: AsyncRequest
     receipt: str
     receives: int
+    unreadable: str | None = None  # a message not wholly a request: why (answered as a failure)
 
 
 class Backlog:
     """``put`` on accept, ``take`` by a worker, then ``done`` or ``release``."""
 
-    def __init__(self, sqs: Any, url: str, visibility_s: int, max_backlog: int) -> None:
+    def __init__(
+        self,
+        sqs: Any,
+        url: str,
+        visibility_s: int,
+        max_backlog: int,
+        name: str = "",
+        attributes: dict[str, str] | None = None,
+    ) -> None:
         self.sqs = sqs
         self.url = url
+        self.name = name
+        self.attributes = attributes or {}
         self.visibility_s = visibility_s
         self.max_backlog = max_backlog
         self.size = 0  # ApproximateNumberOfMessages(+NotVisible), refreshed by ``watch``
@@ -53,15 +68,39 @@ class Backlog:
 
     @classmethod
     async def open(cls, sqs: Any, name: str, visibility_s: int, max_backlog: int) -> Backlog:
-        """The queue, created if missing (CreateQueue is idempotent for the same attributes)."""
+        """The queue, created if missing, or given these attributes if it has others."""
         attributes = {
             "VisibilityTimeout": str(visibility_s),
             "MessageRetentionPeriod": str(RETENTION_S),
         }
-        made = await sqs.create_queue(QueueName=name, Attributes=attributes)
-        backlog = cls(sqs, made["QueueUrl"], visibility_s, max_backlog)
+        backlog = cls(sqs, "", visibility_s, max_backlog, name, attributes)
+        await backlog.reopen()
         await backlog.count()
         return backlog
+
+    async def reopen(self) -> None:
+        """Create the queue (again: a restarted S3/SQS server without its state has none, and
+        every call failed until the front itself restarted)."""
+        try:
+            made = await self.sqs.create_queue(QueueName=self.name, Attributes=self.attributes)
+            self.url = made["QueueUrl"]
+        except ClientError as exc:
+            # Made before with other attributes (ARBITER_RUNTIME_VISIBILITY_S changed since):
+            # CreateQueue refuses, on AWS as in moto; the queue keeps its messages and takes ours.
+            if exc.response.get("Error", {}).get("Code") not in _EXISTS:
+                raise
+            self.url = (await self.sqs.get_queue_url(QueueName=self.name))["QueueUrl"]
+            await self.sqs.set_queue_attributes(QueueUrl=self.url, Attributes=self.attributes)
+            log.info("async_backlog_reconfigured", queue=self.name, attributes=self.attributes)
+
+    async def _again_if_gone(self, exc: Exception) -> bool:
+        """True once the queue was made anew, if ``exc`` says it is gone."""
+        code = exc.response.get("Error", {}).get("Code") if isinstance(exc, ClientError) else None
+        if code not in _GONE or not self.name:
+            return False
+        log.warning("async_backlog_recreated", queue=self.name, why=code)
+        await self.reopen()
+        return True
 
     async def put(self, request: AsyncRequest) -> None:
         """Accept ``request`` durably; ServiceUnavailable when the queue is full or unreachable."""
@@ -70,8 +109,14 @@ class Backlog:
                 f"The async backlog holds {self.size + self.put_since_count} requests "
                 "(ARBITER_RUNTIME_MAX_BACKLOG); try again later."
             )
+        body = request.to_message()
         try:
-            await self.sqs.send_message(QueueUrl=self.url, MessageBody=request.to_message())
+            try:
+                await self.sqs.send_message(QueueUrl=self.url, MessageBody=body)
+            except Exception as exc:
+                if not await self._again_if_gone(exc):
+                    raise
+                await self.sqs.send_message(QueueUrl=self.url, MessageBody=body)
         except Exception as exc:
             log.error("async_backlog_unreachable", error=repr(exc))
             raise ServiceUnavailable("The async backlog cannot be reached; try again.") from exc
@@ -80,22 +125,38 @@ class Backlog:
 
     async def take(self, wait_s: int) -> Held | None:
         """One request, or None after ``wait_s`` of an empty queue. A message that is not a
-        request (written by something else) is logged and deleted."""
-        got = await self.sqs.receive_message(
-            QueueUrl=self.url,
-            MaxNumberOfMessages=1,
-            WaitTimeSeconds=wait_s,
-            MessageSystemAttributeNames=["ApproximateReceiveCount"],
-        )
+        whole request but names its inference id and locations is returned ``unreadable``, to be
+        answered with a failure (before, it was deleted unanswered); one that names nothing to
+        answer is logged and deleted."""
+        try:
+            got = await self.sqs.receive_message(
+                QueueUrl=self.url,
+                MaxNumberOfMessages=1,
+                WaitTimeSeconds=wait_s,
+                MessageSystemAttributeNames=["ApproximateReceiveCount"],
+            )
+        except Exception as exc:
+            if await self._again_if_gone(exc):
+                return None
+            raise
         for message in got.get("Messages", []):
             receipt = message["ReceiptHandle"]
+            receives = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
             try:
                 request = AsyncRequest.from_message(message["Body"])
             except (ValueError, KeyError, TypeError) as exc:
-                log.error("async_backlog_bad_message", body=message["Body"][:200], error=repr(exc))
+                named = salvage(message["Body"], time.time())
+                log.error(
+                    "async_backlog_bad_message",
+                    body=message["Body"][:200],
+                    error=repr(exc),
+                    answered=named is not None,
+                )
+                if named is not None:
+                    why = f"the request's backlog message could not be read ({exc!r})"
+                    return Held(named, receipt, receives, unreadable=why)
                 await self.sqs.delete_message(QueueUrl=self.url, ReceiptHandle=receipt)
                 continue
-            receives = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
             return Held(request, receipt, receives)
         return None
 
@@ -163,6 +224,8 @@ class Backlog:
                 await self.count()
             except Exception as exc:
                 log.warning("async_backlog_count_failed", error=repr(exc))
+                with contextlib.suppress(Exception):
+                    await self._again_if_gone(exc)
 
 
 BACKLOG = web.AppKey("backlog", Backlog)

@@ -63,10 +63,32 @@ def cmd_transform(args: argparse.Namespace) -> int:
         job = _job(args)
         if args.aws:
             return _aws(args, job)
+        from emulator.dataprocessing import DataProcessing
+
+        job.validate()  # what is wrong with the job first, then where it would run
+        DataProcessing.of(job)
+        _local_store_named()
         return asyncio.run(_local(args, job))
     except DeployError as exc:
         print(f"arbiter transform: refused: {exc}", file=sys.stderr)
         return 2
+
+
+def _local_store_named() -> None:
+    """A transform run here reads and writes the S3 that ARBITER_AWS_ENDPOINT_URL names; without
+    it, the caller's real S3. As `arbiter runtime` does, that takes an explicit opt-in
+    (ARBITER_RUNTIME_AWS=true), else one line and status 2 before anything is read."""
+    from emulator.settings import RuntimeSettings
+    from infra.deploy import DeployError
+
+    settings = RuntimeSettings()
+    if not settings.aws_endpoint_url and not settings.aws:
+        raise DeployError(
+            "no ARBITER_AWS_ENDPOINT_URL: run here, the job would read and write S3 in your AWS "
+            "account; set it to the local stack's S3 (`arbiter local` prints it), or "
+            "ARBITER_RUNTIME_AWS=true to mean your account's, or pass --aws to run the job on "
+            "SageMaker"
+        )
 
 
 def _aws(args: argparse.Namespace, job: Any) -> int:

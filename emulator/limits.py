@@ -4,10 +4,9 @@ here by hand. botocore sends whatever it is given (it checks no pattern and no m
 it with a ``ValidationError`` worded as below, so the local front refuses it the same way.
 
 The model's patterns are Java regular expressions, matched against the whole value (a name with an
-underscore fails ``^[a-zA-Z0-9](-*[a-zA-Z0-9])*`` on AWS, although the pattern has no ``$``). Python's
-``re`` lacks three of their constructs, translated here: ``\\p{ASCII}`` (``\\x00-\\x7F``),
-``\\p{Print}`` (Java's POSIX class, ASCII only: ``\\x20-\\x7E``) and ``\\z`` (``\\Z``). A pattern with
-any other ``\\p{...}`` stops the front at start-up rather than being guessed at.
+underscore fails ``^[a-zA-Z0-9](-*[a-zA-Z0-9])*`` on AWS, although the pattern has no ``$``),
+translated by ``infra.patterns`` (shared with ``arbiter transform --aws``'s checks). A pattern with
+an untranslated construct stops the front at start-up rather than being guessed at.
 
 Limits the model does not carry are SageMaker's documented ones: 6 MB real-time payloads each way
 (the model's ``BodyBlob`` max, also applied to the container's answer), 128,000 bytes of inline async
@@ -17,51 +16,15 @@ body and 1 GB of async input (the developer guide).
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from emulator.errors import ValidationError
+from infra.patterns import compiled
 
 MAX_REALTIME_BYTES = 6_291_456  # BodyBlob's max: requests and responses, InvokeEndpoint
 MAX_ASYNC_INPUT_BYTES = 1024**3  # Asynchronous Inference: "payload sizes up to 1 GB"
-_JAVA_CLASSES = {"ASCII": r"\x00-\x7F", "Print": r"\x20-\x7E"}
-_PROPERTY = re.compile(r"\\p\{(\w+)\}")
-
-
-def java_pattern(pattern: str) -> re.Pattern[str]:
-    """A model pattern as a Python regular expression (to be used with ``fullmatch``)."""
-
-    def translate(text: str) -> str:
-        out, i, in_class = [], 0, False
-        while i < len(text):
-            found = _PROPERTY.match(text, i)
-            if found:
-                name = found.group(1)
-                if name not in _JAVA_CLASSES:
-                    raise ValueError(f"pattern {pattern!r}: \\p{{{name}}} is not translated")
-                chars = _JAVA_CLASSES[name]
-                out.append(chars if in_class else f"[{chars}]")
-                i = found.end()
-                continue
-            if text.startswith(r"\z", i):
-                out.append(r"\Z")
-                i += 2
-                continue
-            if text[i] == "\\":
-                out.append(text[i : i + 2])
-                i += 2
-                continue
-            if text[i] == "[" and not in_class:
-                in_class = True
-            elif text[i] == "]" and in_class:
-                in_class = False
-            out.append(text[i])
-            i += 1
-        return "".join(out)
-
-    return re.compile(translate(pattern), re.S)
 
 
 @dataclass(frozen=True)
@@ -99,16 +62,11 @@ class Rule:
             found.append(f"{at} have length greater than or equal to {self.minimum}")
         if self.maximum is not None and len(value) > self.maximum:
             found.append(f"{at} have length less than or equal to {self.maximum}")
-        if self.pattern is not None and not _compiled(self.pattern).fullmatch(value):
+        if self.pattern is not None and not compiled(self.pattern).fullmatch(value):
             found.append(f"{at} satisfy regular expression pattern: {self.pattern}")
         if self.enum and value not in self.enum:
             found.append(f"{at} satisfy enum value set: [{', '.join(self.enum)}]")
         return found
-
-
-@functools.cache
-def _compiled(pattern: str) -> re.Pattern[str]:
-    return java_pattern(pattern)
 
 
 @functools.cache
@@ -140,7 +98,7 @@ def rules(operation: str) -> tuple[Rule, ...]:
             sensitive=bool(meta.get("sensitive")),
         )
         if rule.pattern is not None:
-            _compiled(rule.pattern)  # an untranslatable pattern fails here, at start-up
+            compiled(rule.pattern)  # an untranslatable pattern fails here, at start-up
         found.append(rule)
     return tuple(found)
 

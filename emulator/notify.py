@@ -4,6 +4,7 @@ the template's success or error topic, raw JSON as an application reads it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,9 @@ async def publish(sns: Any, topic: str, text: str, inference_id: str) -> bool:
             await sns.publish(TopicArn=topic, Message=text)
             return True
         except Exception as exc:
+            if _topic_gone(exc):  # the SNS server restarted without its state: made anew
+                with contextlib.suppress(Exception):
+                    await sns.create_topic(Name=topic.rsplit(":", 1)[-1])
             log.warning(
                 "async_notification_retry"
                 if attempt + 1 < PUBLISH_TRIES
@@ -74,3 +78,9 @@ async def publish(sns: Any, topic: str, text: str, inference_id: str) -> bool:
             if attempt + 1 < PUBLISH_TRIES:
                 await asyncio.sleep(0.2 * 2**attempt)
     return False
+
+
+def _topic_gone(exc: Exception) -> bool:
+    response = getattr(exc, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return code in {"NotFound", "NotFoundException"}

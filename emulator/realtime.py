@@ -34,7 +34,9 @@ from emulator.errors import (
     ValidationError,
     request_id,
 )
+from emulator.protocol import unsent
 from emulator.state import FRONT, INVOKED_VARIANT, Front
+from emulator.template import EndpointSpec
 
 MAX_BODY = limits.MAX_REALTIME_BYTES  # BodyBlob's max: 6 MB both ways
 
@@ -138,9 +140,24 @@ async def invoke_with_response_stream(request: web.Request) -> web.StreamRespons
         custom_attributes=request.headers.get(CUSTOM_ATTRIBUTES),
         inference_id=request.headers.get(INFERENCE_ID),
     )
+    deadline = asyncio.get_running_loop().time() + front.settings.invocation_timeout_s
+    watching: list[asyncio.Task[None]] = []
+    try:
+        return await _stream(request, front, spec, invocation, deadline, watching)
+    finally:
+        for watch in watching:
+            watch.cancel()
+
+
+async def _stream(
+    request: web.Request,
+    front: Front,
+    spec: EndpointSpec,
+    invocation: Invocation,
+    deadline: float,
+    watching: list[asyncio.Task[None]],
+) -> web.StreamResponse:
     timeout = front.settings.invocation_timeout_s
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
     container = front.require_container()
     stream: web.StreamResponse | None = None
     try:
@@ -155,6 +172,9 @@ async def invoke_with_response_stream(request: web.Request) -> web.StreamRespons
             stream = web.StreamResponse(status=200, headers=headers)
             await stream.prepare(request)
             idle = front.settings.stream_idle_timeout_s
+            written = [0]
+            watch = asyncio.create_task(_until_stalled(request, written, idle))
+            watching.append(watch)
             async for chunk in reply.content.iter_any():
                 try:
                     parts = eventstream.payload_parts(chunk)
@@ -171,6 +191,7 @@ async def invoke_with_response_stream(request: web.Request) -> web.StreamRespons
                     try:
                         async with asyncio.timeout(idle):
                             await stream.write(part)
+                        written[0] += len(part)
                     except TimeoutError:  # the client reads nothing: drop it, and the call
                         if request.transport is not None:
                             request.transport.abort()
@@ -203,6 +224,27 @@ async def invoke_with_response_stream(request: web.Request) -> web.StreamRespons
     assert stream is not None
     await stream.write_eof()
     return stream
+
+
+async def _until_stalled(request: web.Request, written: list[int], idle: float) -> None:
+    """Drop the connection once its client has taken nothing for ``idle`` s while bytes wait for
+    it. A write blocks only once every buffer on the way is full (hundreds of KB), so a slow
+    stream to a client that reads nothing went on to its end (3 s set, 60 s streamed); the bytes
+    the client's side has not taken (``emulator.protocol.unsent``) tell it within ``idle``."""
+    loop = asyncio.get_running_loop()
+    taken_before, since = -1, loop.time()
+    while True:
+        await asyncio.sleep(min(1.0, idle / 4))
+        waiting = unsent(request.transport)
+        if waiting is None:  # closed, or not a platform that says: the write timeout remains
+            return
+        taken, now = written[0] - waiting, loop.time()
+        if waiting == 0 or taken > taken_before:
+            taken_before, since = taken, now
+        elif now - since >= idle:
+            if request.transport is not None:
+                request.transport.abort()  # and with it the container's call
+            return
 
 
 async def _stream_error(stream: web.StreamResponse, code: str, message: str) -> None:

@@ -25,25 +25,23 @@ def serve(settings: RuntimeSettings) -> int:
 async def _serve(settings: RuntimeSettings) -> int:
     from aiohttp import web
 
+    from arbiter.errors import ArbiterError
+    from arbiter.ports import bind
     from emulator.app import create_app
+    from emulator.protocol import FrontRunner
     from emulator.state import FRONT
 
+    try:  # the port first: taken, it is one line before a queue or topic is touched
+        sock = bind(settings.host, settings.port, "the runtime API", "ARBITER_RUNTIME_PORT")
+    except ArbiterError as exc:
+        print(f"arbiter runtime: {exc.message}", file=sys.stderr, flush=True)
+        return 2
     app = create_app(settings)
     # handler_cancellation: a caller that hangs up cancels its container call too.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = FrontRunner(app, settings.body_timeout_s, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
-    try:
-        await site.start()
-    except OSError as exc:  # the port is taken: one line, not a traceback
-        print(
-            f"arbiter runtime: cannot listen on {settings.host}:{settings.port} ({exc.strerror}); "
-            "set ARBITER_RUNTIME_PORT",
-            file=sys.stderr,
-            flush=True,
-        )
-        await runner.cleanup()
-        return 2
+    site = web.SockSite(runner, sock)
+    await site.start()
     port = runner.addresses[0][1]
     front = app[FRONT]
     served = []

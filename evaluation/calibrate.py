@@ -5,10 +5,11 @@ held-out part:
 
 1. **The position prior** per option count, label-free, from the fit items' cyclic rotations
    (``rotation.fit_prior``).
-2. **The margin** of adaptive rotation: the smallest on ``MARGINS`` whose replayed NLL on the fit
-   part (at its own fitted temperature) is within ``tolerance`` of the best margin's: the cheapest
-   that reads about as well as reading every round. (Its flip rate is zero whatever the margin:
-   every order of the same options starts from the same canonical order.)
+2. **The margin** of adaptive rotation: among the margins on ``MARGINS`` whose replayed cost on
+   the fit part is within ``max_cost`` of one read (prefilled tokens), the smallest whose
+   cross-validated NLL is within ``tolerance`` of the best one's: the cheapest that reads about as
+   well as any affordable. (Its flip rate is zero whatever the margin: every order of the same
+   options starts from the same canonical order.)
 3. Per read policy (adaptive, single), replayed on the fit part: **temperatures** by NLL (a global
    one; per question type and per type and option-count bucket where ``min_items`` items exist),
    the **top-label map** on the tempered top probabilities (``toplabel``), then the fit items'
@@ -36,12 +37,15 @@ from arbiter.engine.probabilities import logsumexp, softmax
 from arbiter.engine.rotation import Read, ReadPolicy, fit_prior
 from arbiter.engine.toplabel import TopLabel
 from evaluation import metrics
-from evaluation.policy import Replayed, flip_rate, mean_reads, replay_all
+from evaluation.policy import Replayed, cost_ratio, flip_rate, mean_reads, replay_all
 from evaluation.reads import reads_of
 
 LOG_T_RANGE = (math.log(0.02), math.log(50.0))
 MARGINS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 8.0, 1000.0)  # 1000: every round
 BUDGETS = (0.01, 0.05, 0.1)
+# What a default decision may cost against one read (prefilled tokens, each decision cold): the
+# margin is the best the fit part affords within it (issue 34: at most 1.5x).
+DEFAULT_MAX_COST = 1.5
 
 
 def _padded(logits: Sequence[Sequence[float]]) -> np.ndarray:
@@ -274,8 +278,9 @@ def cross_validated(
         )
         rows = scored([r for r, _ in test], [p for _, p in test], temps)
         with_top = scored([r for r, _ in test], [p for _, p in test], temps, top)
-        out["nll"].append(measured(rows)["nll"])
-        out["ece"].append(measured(rows)["ece"])
+        got = measured(rows)
+        out["nll"].append(got["nll"])
+        out["ece"].append(got["ece"])
         out["ece_top"].append(measured(with_top)["ece"])
     return {
         **{k: float(np.mean(v)) if v else None for k, v in out.items()},
@@ -288,20 +293,36 @@ def choose_margin(
     prior: dict[int, np.ndarray],
     tolerance: float = 0.005,
     min_items: int = 25,
+    max_cost: float | None = DEFAULT_MAX_COST,
 ) -> tuple[float, list[dict[str, Any]]]:
-    """The cheapest margin that reads about as well as any: per margin on ``MARGINS``, the
-    policy replayed on ``records`` and cross-validated (``cross_validated``); the smallest margin
-    whose NLL is within ``tolerance`` of the best. Labels pick it, so it is fitted on the fit part
-    only. Returns the margin and the study of every margin tried."""
+    """The cheapest margin that reads about as well as any it can afford: per margin on
+    ``MARGINS``, the policy replayed on ``records``, cross-validated (``cross_validated``) and
+    costed against one read (``policy.cost_ratio``); among the margins within ``max_cost``, the
+    smallest whose NLL is within ``tolerance`` of the best one's (none within: the cheapest).
+    Labels pick it, so it is fitted on the fit part only. Returns the margin and the study of
+    every margin tried."""
     study: list[dict[str, Any]] = []
     for margin in MARGINS:
         policy = ReadPolicy(True, margin, prior=prior)
-        study.append({"margin": margin, **cross_validated(records, policy, min_items)})
+        study.append(
+            {
+                "margin": margin,
+                **cross_validated(records, policy, min_items),
+                "cost": cost_ratio(records, policy),
+            }
+        )
     scored_rows = [row for row in study if row["nll"] is not None]
     if not scored_rows:
         return MARGINS[0], study
-    best = min(row["nll"] for row in scored_rows)
-    chosen = next(row for row in scored_rows if row["nll"] <= best + tolerance)
+    affordable = [
+        row
+        for row in scored_rows
+        if max_cost is None or row["cost"] is None or row["cost"] <= max_cost
+    ]
+    if not affordable:
+        return float(scored_rows[0]["margin"]), study
+    best = min(row["nll"] for row in affordable)
+    chosen = next(row for row in affordable if row["nll"] <= best + tolerance)
     return float(chosen["margin"]), study
 
 
@@ -313,6 +334,7 @@ def calibrate_reads(
     min_items: int = 25,
     margin: float | None = None,
     tolerance: float = 0.005,
+    max_cost: float | None = DEFAULT_MAX_COST,
 ) -> tuple[Calibration, dict[str, Any], dict[str, tuple[list[float], list[bool]]]]:
     """Fit on one part of the read records, measure on the rest: the calibration, a report, and
     the held-out reliability curves (raw single reads at T = 1, and each calibrated policy)."""
@@ -323,7 +345,7 @@ def calibrate_reads(
     prior = fit_priors(fit_rows)
     study: list[dict[str, Any]] = []
     if margin is None:
-        margin, study = choose_margin(fit_rows, prior, tolerance, min_items)
+        margin, study = choose_margin(fit_rows, prior, tolerance, min_items, max_cost)
     raw = ReadPolicy(False)
     before_rows = scored(held, replay_all(held, raw), None)
     flips_before = flip_rate(held, raw)
@@ -387,6 +409,7 @@ def calibrate_reads(
                 "flips": flips[0],
                 "compared": flips[1],
                 "mean_reads": mean_reads(held_replayed),
+                "cost": cost_ratio(held, policy),
                 "by_question_type": _by_type(held_scored),
             },
         }

@@ -25,7 +25,7 @@ from typing import Any
 from arbiter.schema import MAX_ORDER_SAMPLES
 from arbiter.settings import EngineSettings, engine_from_environment
 from evaluation.backends import Backend, EngineBackend, HttpBackend
-from evaluation.calibrate import calibrate_reads
+from evaluation.calibrate import DEFAULT_MAX_COST, calibrate_reads
 from evaluation.metrics import reliability_diagram, risk_coverage_plot
 from evaluation.reads import collect
 from evaluation.report import curve, fmt, markdown, report, side_by_side
@@ -191,6 +191,7 @@ def cmd_calibrate(args: argparse.Namespace, out: Any = None) -> int:
             args.min_items,
             args.margin,
             args.margin_tolerance,
+            args.max_cost,
         )
     except ValueError as exc:
         print(f"arbiter: {exc}", file=sys.stderr)
@@ -279,6 +280,29 @@ def _read_records(path: Path, items: list[EvalItem]) -> list[dict[str, Any]]:
     return records
 
 
+def _cost(m: dict[str, Any]) -> str:
+    cost = m.get("cost", 1.0 if m.get("mean_reads") == 1.0 else None)
+    return f"{cost:.2f}x" if cost is not None else "–"
+
+
+def _abstention_table(summary: dict[str, Any]) -> list[str]:
+    """Each budget's threshold, fitted on the fit part, held to the held-out part: the share
+    automated there and its error (within the budget, if the bound held)."""
+    lines = [
+        "| error budget | policy | threshold (fitted) | held-out automated | held-out error |",
+        "|---|---|---|---|---|",
+    ]
+    for name in ("adaptive", "single"):
+        for budget, held in (summary[name]["held_out"].get("abstention") or {}).items():
+            threshold = held["threshold"]
+            lines.append(
+                f"| {float(budget):.0%} | {name} "
+                f"| {fmt(threshold) if threshold is not None else 'none (abstains on all)'} "
+                f"| {held['coverage']:.0%} ({held['automated']}) | {fmt(held['error'])} |"
+            )
+    return lines
+
+
 def calibration_summary(summary: dict[str, Any]) -> str:
     """The held-out part before (one raw read at T = 1) and after, per read policy."""
     lines = [
@@ -286,9 +310,9 @@ def calibration_summary(summary: dict[str, Any]) -> str:
         f"held out ({summary['failures']} failures skipped); adaptive margin "
         f"{summary['margin']:g}",
         "",
-        "| held-out | accuracy | NLL | Brier | ECE | flips | orders read | at 5% (best) "
-        "| fitted 5%: automated, error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| held-out | accuracy | NLL | Brier | ECE | flips | orders read | cost (tokens) "
+        "| at 5% (best) | fitted 5%: automated, error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = [("before (raw, one read)", summary["held_out_before"])]
     rows += [(name, summary[name]["held_out"]) for name in ("single", "adaptive")]
@@ -299,8 +323,9 @@ def calibration_summary(summary: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {fmt(m['accuracy'])} | {fmt(m['nll'])} | {fmt(m['brier'])} "
             f"| {fmt(m['ece'])} | {flips} | {fmt(m['mean_reads'], 2)} "
-            f"| {m['automatable']['0.05']:.0%} | {held} |"
+            f"| {_cost(m)} | {m['automatable']['0.05']:.0%} | {held} |"
         )
+    lines += ["", *_abstention_table(summary)]
     held = summary["held_out_before"]
     after = summary["adaptive"]["held_out"]
     if held["nll"] is not None and after["nll"] is not None and after["nll"] > held["nll"]:
@@ -383,6 +408,13 @@ def register(sub: Any) -> None:
         type=float,
         default=0.005,
         help="the fit NLL above the best margin's that a cheaper margin may have (default 0.005)",
+    )
+    cal.add_argument(
+        "--max-cost",
+        type=float,
+        default=DEFAULT_MAX_COST,
+        help="the most a default decision may cost against one read, in prefilled tokens "
+        f"(default {DEFAULT_MAX_COST:g}): the margin is the best the fit part affords",
     )
     cal.add_argument("--reads", default=None, help="also write the raw reads (JSON Lines) here")
     cal.add_argument(

@@ -87,3 +87,22 @@ def flip_rate(records: Sequence[dict[str, Any]], policy: ReadPolicy) -> tuple[in
 def mean_reads(replayed: Sequence[Replayed | None]) -> float:
     got = [r.reads for r in replayed if r is not None]
     return float(np.mean(got)) if got else 0.0
+
+
+def cost_ratio(records: Sequence[dict[str, Any]], policy: ReadPolicy) -> float | None:
+    """What ``policy`` costs against one read per item, in prefilled tokens, as `arbiter bench
+    orders` times it (each item cold, the totals divided): an item's state prefix is prefilled
+    once, then each order read prefills its own question and options. None without the token
+    counts (reads recorded before they were kept)."""
+    single = policy_cost = 0.0
+    for record in records:
+        tokens, prefix = record.get("tokens"), record.get("prefix_tokens")
+        got = replay(record, policy) if record["reads"] else None
+        if got is None or not tokens or prefix is None:
+            if got is not None:
+                return None
+            continue
+        suffix = max(int(tokens) - int(prefix), 1)
+        single += int(tokens)
+        policy_cost += int(prefix) + got.reads * suffix
+    return policy_cost / single if single else None

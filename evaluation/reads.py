@@ -9,7 +9,8 @@ that serves a calibration is refused (serve it with ``ARBITER_SHIPPED_CALIBRATIO
 
 A record keeps, per order (``"2,0,1"``: the variant lists given options 2, 0, 1), the label logits
 as read in the variant's positions and the label mass there; ``policy`` replays any read policy on
-them exactly as the engine runs it.
+them exactly as the engine runs it. It also keeps the prompt's tokens and how many of them are the
+state's prefix, prefilled once whatever the orders read (``policy.cost_ratio``).
 """
 
 from __future__ import annotations
@@ -118,10 +119,12 @@ def collect(
                     break
                 record["reads"][key(order)] = _read(result)
                 if order == tuple(range(len(ids))):
-                    record["tokens"] = (result.get("prompt") or {}).get("input_tokens")
+                    prompt = result.get("prompt") or {}
+                    record["tokens"] = prompt.get("input_tokens")
+                    record["prefix_tokens"] = prompt.get("prefix_tokens")
                     record["model"] = result.get("model")
             records.append(record)
-            if sink is not None:
+            if sink is not None and orders:  # one resumed whole is already where sink wrote it
                 sink(record)
             bar.update(1)
     return records
@@ -140,12 +143,16 @@ def _record(item: EvalItem, earlier: dict[str, Any] | None) -> dict[str, Any]:
         "option_ids": [o.id for o in item.request.options],
         "n": len(item.request.options),
         "tokens": None,
+        "prefix_tokens": None,
         "reads": {},
         "error": None,
     }
     if earlier is not None and not earlier.get("error"):
         record.update(
-            reads=dict(earlier["reads"]), tokens=earlier.get("tokens"), model=earlier.get("model")
+            reads=dict(earlier["reads"]),
+            tokens=earlier.get("tokens"),
+            prefix_tokens=earlier.get("prefix_tokens"),
+            model=earlier.get("model"),
         )
     return record
 

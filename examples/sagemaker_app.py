@@ -2,7 +2,9 @@
 
 The same file runs against `make run`'s stack and against AWS: which one is decided by the
 environment alone (botocore's AWS_ENDPOINT_URL_<SERVICE> variables; see docs/sagemaker.md, "From
-your application"). ENDPOINT names the endpoint, BUCKET the data bucket.
+your application"). As on AWS an endpoint is real-time or async, not both: ENDPOINT names the
+real-time one, ASYNC_ENDPOINT the async one, BUCKET the data bucket. With no arguments it runs
+every way, each on its endpoint.
 """
 
 import json
@@ -13,6 +15,7 @@ import time
 import boto3
 
 ENDPOINT = os.environ.get("ENDPOINT", "arbiter")
+ASYNC_ENDPOINT = os.environ.get("ASYNC_ENDPOINT", "arbiter-async")
 BUCKET = os.environ.get("BUCKET", "arbiter-jobs")
 runtime = boto3.client("sagemaker-runtime")
 s3 = boto3.client("s3")
@@ -62,7 +65,7 @@ def asynchronous() -> None:
     """InvokeEndpointAsync: the input in S3, then poll the OutputLocation (or the FailureLocation)."""
     s3.put_object(Bucket=BUCKET, Key="async/input/decisions.jsonl", Body=lines)
     queued = runtime.invoke_endpoint_async(
-        EndpointName=ENDPOINT,
+        EndpointName=ASYNC_ENDPOINT,
         ContentType="application/jsonlines",
         InputLocation=f"s3://{BUCKET}/async/input/decisions.jsonl",
     )

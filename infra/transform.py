@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from infra.deploy import CPU_INSTANCE_TYPE, Call, DeployError, parse_image
+from infra.patterns import compiled
 
 _NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
 _S3 = re.compile(r"^s3://[^/]+(/.*)?$")
@@ -192,7 +193,7 @@ class TransformModel:
 
 def check_against_model(operation: str, params: dict[str, Any]) -> None:
     """``params`` against botocore's own sagemaker model: what botocore validates (types, required
-    members, minima), and what it sends unchecked but AWS refuses (enums, maxima)."""
+    members, minima), and what it sends unchecked but AWS refuses (enums, maxima, patterns)."""
     import botocore.session
     from botocore.validate import ParamValidator
 
@@ -228,6 +229,9 @@ def _walk(shape: Any, value: Any, where: str, problems: list[str]) -> None:
             problems.append(f"{where}: {value!r} is not one of SageMaker's values")
         if "max" in shape.metadata and len(value) > shape.metadata["max"]:
             problems.append(f"{where}: longer than {shape.metadata['max']}")
+        pattern = shape.metadata.get("pattern")
+        if pattern is not None and not compiled(pattern).fullmatch(value):
+            problems.append(f"{where}: {value!r} does not match SageMaker's pattern {pattern}")
     elif (
         shape.type_name in ("integer", "long")
         and isinstance(value, int)

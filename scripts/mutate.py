@@ -49,6 +49,21 @@ EVERY = "tests/arbiter/test_every_template.py::"
 ANSWERS = "test_every_template_renders_a_decision_that_ends_where_the_model_answers"
 REFUSALS = "tests/arbiter/test_template_refusals.py::"
 STREAMING = "tests/emulator/test_transform_streaming.py::"
+LOCAL = "tests/worker/test_local_stack.py::"
+SUBMIT = "tests/worker/test_submit.py::"
+SAFETY = "tests/emulator/test_front_safety.py::"
+PATTERNS = (
+    "tests/emulator/test_transform.py::test_the_dry_run_refuses_what_sagemakers_patterns_refuse"
+)
+RECOVERS = (
+    "tests/emulator/test_async_durable.py::"
+    "test_the_front_recovers_when_its_s3_and_sqs_server_restarts_empty"
+)
+SMALL_JOB = "test_a_small_job_shows_queued_then_its_lines_and_a_repeat_says_it_is_an_earlier_run"
+LOCAL_ASYNC = (
+    "tests/emulator/test_local.py::"
+    "test_async_requests_accepted_before_a_stop_are_answered_after_the_restart"
+)
 PROCESSING = "tests/emulator/test_transform_dataprocessing.py::"
 QUEUE_OUTAGES = "tests/worker/test_queue_outages.py::"
 CAMPAIGN = "tests/worker/test_campaign.py::test_a_few_dozen_fault_seeds_find_nothing"
@@ -342,7 +357,7 @@ MUTATIONS = (
     Mutation(
         "dlq-records-once",
         "worker/fanout/deadletters.py",
-        '            if found.get("state") == "sent":\n                return False\n',
+        '            if ours and found.get("state") == "sent":\n                return False\n',
         "",
         (
             "tests/worker/test_fanout_ends.py::"
@@ -389,8 +404,8 @@ MUTATIONS = (
     Mutation(
         "async-waits-for-ping",
         "emulator/async_workers.py",
-        "                await self.readiness.wait()\n",
-        "",
+        "        ready = asyncio.ensure_future(self.readiness.wait())",
+        "        ready = asyncio.ensure_future(asyncio.sleep(0))",
         (
             "tests/emulator/test_async_durable.py::"
             "test_a_request_sent_while_the_model_loads_is_answered_once_it_is_up",
@@ -399,8 +414,8 @@ MUTATIONS = (
     Mutation(
         "async-drain-takes-no-more",
         "emulator/async_workers.py",
-        "            if self.stopping.is_set():  # SIGTERM: no more work taken\n",
-        "            if False:\n",
+        "        return not self.stopping.is_set()  # SIGTERM: no more work taken\n",
+        "        return True\n",
         (
             "tests/emulator/test_async_durable.py::"
             "test_six_requests_a_sigterm_and_a_restart_all_six_answered",
@@ -1039,7 +1054,7 @@ MUTATIONS = (
     Mutation(
         "rejection-recorded",
         "worker/dispatch.py",
-        "                await write_rejection(self.fanout.s3, self.fanout.bucket, entry, exc)\n",
+        "        await write_rejection(self.fanout.s3, self.fanout.bucket, entry, exc)\n",
         "",
         (
             "tests/worker/test_fanout_faults.py::"
@@ -1130,6 +1145,13 @@ MUTATIONS = (
         "                await self.uncounted.clear(message)  # a job run whole leaves no folder to go with\n",
         "                pass\n",
         (QUEUE_OUTAGES + "test_a_job_run_whole_leaves_no_record_of_its_uncounted_receives",),
+    ),
+    Mutation(
+        "record-outlives-the-keeper",
+        "worker/handling.py",
+        "                await lease.reported()\n",
+        "",
+        (QUEUE_OUTAGES + "test_a_record_still_being_written_when_its_job_ends_is_not_left_behind",),
     ),
     Mutation(
         "a-failed-try-counts",
@@ -1260,6 +1282,13 @@ MUTATIONS = (
         ("tests/arbiter/test_calibration.py::test_file_round_trip_and_refusals",),
     ),
     Mutation(
+        "margin-within-cost",
+        "evaluation/calibrate.py",
+        'if max_cost is None or row["cost"] is None or row["cost"] <= max_cost',
+        "if True",
+        ("tests/evaluation/test_calibrate.py::test_the_margin_is_the_best_the_cost_affords",),
+    ),
+    Mutation(
         "profile-labels-never-reordered",
         "arbiter/profiles.py",
         "        return isinstance(self.spec.labels, str)",
@@ -1267,6 +1296,237 @@ MUTATIONS = (
         (
             "tests/arbiter/test_profiles.py::"
             "test_a_profile_sets_the_instruction_layout_labels_and_cue",
+        ),
+    ),
+    # Issue 37: the local stack as one thing.
+    Mutation(
+        "local-stops-while-the-demo-waits",
+        "worker/local.py",
+        "                await _first(demo, exited, stopped)",
+        "                await demo",
+        (LOCAL + "test_a_signal_stops_the_stack_while_it_waits_for_the_example_job",),
+    ),
+    Mutation(
+        "local-ports-follow-the-base",
+        "worker/local_ports.py",
+        "        return 0 if base == 0 else base + OFFSETS[name]",
+        '        return 0 if base == 0 else {"container": base, "runtime": 8081, "s3": 4569, '
+        '"metrics": 9108}[name]',
+        (LOCAL + "test_every_port_follows_the_base_and_two_bases_share_none",),
+    ),
+    Mutation(
+        "runtime-calls-its-own-container",
+        "worker/local.py",
+        '        env["ARBITER_RUNTIME_CONTAINER_URL"] = container_url(settings, ports)',
+        '        env.setdefault("ARBITER_RUNTIME_CONTAINER_URL", "http://127.0.0.1:8080")',
+        (LOCAL + "test_the_parts_are_told_their_ports_and_the_runtime_its_own_container",),
+    ),
+    Mutation(
+        "local-refuses-a-busy-port",
+        "worker/local_ports.py",
+        "        sock = bind(part.host, part.port, part.name, part.variable)",
+        "        sock = bind(part.host, 0, part.name, part.variable)",
+        (
+            LOCAL + "test_a_busy_port_is_refused_naming_the_part_and_the_base",
+            LOCAL + "test_a_busy_port_is_one_line_before_any_model_loads[local]",
+        ),
+    ),
+    Mutation(
+        "serve-binds-before-loading",
+        "adapter/serve.py",
+        '    sock = bind(server_settings.host, server_settings.port, "the container", "ARBITER_PORT")',
+        '    sock = bind(server_settings.host, 0, "the container", "ARBITER_PORT")',
+        (LOCAL + "test_a_busy_port_is_one_line_before_any_model_loads[serve]",),
+    ),
+    Mutation(
+        "local-up-once-answering",
+        "worker/local_watch.py",
+        "    pending = _checks(ports, container_url, processes)",
+        "    pending: dict[str, Check] = {}",
+        (LOCAL + "test_the_stack_says_up_only_once_each_part_answers",),
+    ),
+    Mutation(
+        "local-stops-when-a-part-dies",
+        "worker/local.py",
+        "        exited = asyncio.create_task(first_exit(children))",
+        "        exited = asyncio.create_task(asyncio.sleep(3600, ('', 0)))",
+        (LOCAL + "test_up_is_said_once_the_parts_answer_and_a_part_that_dies_stops_the_stack",),
+    ),
+    Mutation(
+        "runtime-stops-while-waiting-for-ping",
+        "emulator/async_workers.py",
+        "                if not await self._ready():",
+        "                if not await self.readiness.wait() and False:",
+        (
+            "tests/emulator/test_async_durable.py::"
+            "test_a_front_waiting_for_a_container_that_never_came_stops_at_once",
+        ),
+    ),
+    Mutation(
+        "local-state-restored",
+        "worker/local.py",
+        "            restored = local_state.load(state)  # refused in one line before anything starts",
+        "            restored = None",
+        (LOCAL_ASYNC,),
+    ),
+    Mutation(
+        "local-state-keeps-bucket-owners",
+        "worker/local_state.py",
+        '            "shared": {k: v for k, v in vars(backend).items() if isinstance(v, dict)},',
+        '            "shared": {},',
+        (LOCAL_ASYNC,),
+    ),
+    Mutation(
+        "submit-refuses-what-the-worker-ignores",
+        "worker/submit.py",
+        "    if refused is not None:\n        raise ArbiterError(",
+        "    if False:\n        raise ArbiterError(",
+        (
+            SUBMIT + "test_a_file_the_worker_ignores_is_refused_before_it_is_uploaded",
+            SUBMIT + "test_the_command_refuses_it_in_one_line_at_once",
+        ),
+    ),
+    Mutation(
+        "a-small-job-shows-its-progress",
+        "worker/jobs.py",
+        "        progress = Progress(s3, settings.bucket, keys.status)",
+        "        progress = Progress(s3, settings.bucket, keys.status, every_s=1e9)",
+        (SUBMIT + SMALL_JOB,),
+    ),
+    Mutation(
+        "submit-says-an-earlier-run",
+        "worker/submit.py",
+        "    if written < uploaded or (same_second and finished is not None and finished < sent_at):",
+        "    if False:",
+        (SUBMIT + SMALL_JOB,),
+    ),
+    Mutation(
+        "async-busy-is-not-an-answer",
+        "emulator/async_workers.py",
+        '                head = await _busy_check(reply) if status == 503 else b""',
+        '                head = b""',
+        (
+            "tests/emulator/test_async.py::"
+            "test_a_container_busy_with_real_time_traffic_delays_an_async_request_not_fails_it",
+        ),
+    ),
+    Mutation(
+        "backlog-queue-reconfigured",
+        "emulator/backlog.py",
+        '            if exc.response.get("Error", {}).get("Code") not in _EXISTS:',
+        "            if True:",
+        (
+            "tests/emulator/test_async.py::"
+            "test_a_changed_visibility_setting_reconfigures_the_backlog_queue",
+        ),
+    ),
+    Mutation(
+        "job-queue-reconfigured",
+        "worker/stack.py",
+        '        if exc.response.get("Error", {}).get("Code") not in _EXISTS:',
+        "        if True:",
+        (LOCAL + "test_the_job_queue_takes_changed_settings_and_keeps_its_messages",),
+    ),
+    Mutation(
+        "transform-refuses-real-s3",
+        "emulator/cli.py",
+        "        _local_store_named()\n",
+        "",
+        (
+            "tests/emulator/test_front_safety.py::"
+            "test_a_local_transform_without_a_local_endpoint_refuses_real_s3_in_one_line",
+        ),
+    ),
+    Mutation(
+        "backlog-recreated-when-gone",
+        "emulator/backlog.py",
+        "        if code not in _GONE or not self.name:",
+        "        if True:",
+        (RECOVERS,),
+    ),
+    Mutation(
+        "topics-recreated-when-gone",
+        "emulator/notify.py",
+        "            if _topic_gone(exc):",
+        "            if False:",
+        (RECOVERS,),
+    ),
+    Mutation(
+        "unreadable-backlog-message-answered",
+        "emulator/backlog.py",
+        '                named = salvage(message["Body"], time.time())',
+        "                named = None",
+        (
+            "tests/emulator/test_async.py::"
+            "test_a_backlog_message_that_cannot_be_read_but_names_its_locations_is_answered",
+        ),
+    ),
+    Mutation(
+        "unrecorded-waits-for-the-store",
+        "emulator/async_workers.py",
+        "        if held.unreadable is None and not await self.gate.open(request.output.bucket):",
+        "        if False:",
+        (
+            "tests/emulator/test_async_durable.py::"
+            "test_an_outcome_that_cannot_be_recorded_waits_for_the_store_not_the_model",
+        ),
+    ),
+    Mutation(
+        "async-input-limit-enforced",
+        "emulator/async_workers.py",
+        "        if size > most:  # documented, and now enforced: before, 1.1 GB was answered",
+        "        if False:",
+        (
+            "tests/emulator/test_async.py::"
+            "test_an_input_over_the_1_gb_limit_fails_without_reaching_the_container",
+        ),
+    ),
+    Mutation(
+        "dry-run-checks-patterns",
+        "infra/transform.py",
+        "        if pattern is not None and not compiled(pattern).fullmatch(value):",
+        "        if False:",
+        (PATTERNS,),
+    ),
+    Mutation(
+        "java-dot-matches-no-newline",
+        "infra/patterns.py",
+        '            if text[i] == "." and not in_class:',
+        "            if False:",
+        (PATTERNS,),
+    ),
+    Mutation(
+        "stream-idle-sees-what-waits-unread",
+        "emulator/realtime.py",
+        "            watch = asyncio.create_task(_until_stalled(request, written, idle))",
+        "            watch = asyncio.create_task(asyncio.sleep(0))",
+        (
+            SAFETY
+            + "test_a_slow_stream_to_a_client_that_reads_nothing_is_dropped_within_the_idle_time",
+        ),
+    ),
+    Mutation(
+        "request-headers-timed",
+        "emulator/protocol.py",
+        "        self._timer = self._loop.call_later(self.header_timeout_s, self._late)",
+        "        self._timer = None",
+        (SAFETY + "test_headers_sent_slowly_are_answered_408_and_the_connection_closed",),
+    ),
+    Mutation(
+        "unparsable-request-is-a-validation-error",
+        "emulator/protocol.py",
+        "        if status != 400:",
+        "        if True:",
+        (SAFETY + "test_headers_over_aiohttps_limit_are_a_validation_error_boto3_reads",),
+    ),
+    Mutation(
+        "serve-says-its-load-steps",
+        "adapter/serve.py",
+        "Engine(engine_settings, progress=progress)",
+        "Engine(engine_settings)",
+        (
+            "tests/emulator/test_local.py::"
+            "test_two_stacks_side_by_side_each_answer_with_their_own_model",
         ),
     ),
     Mutation(

@@ -15,6 +15,7 @@ from arbiter.engine import Engine
 from arbiter.logging import configure as configure_logging
 from arbiter.models import bundled_model, smollm2_path
 from arbiter.settings import EngineSettings
+from tests.documented import Installed, install
 from tests.strategies import SCALE
 from tests.threads import TEST_THREADS
 
@@ -24,6 +25,9 @@ os.environ.setdefault("ARBITER_N_THREADS", str(TEST_THREADS))
 # The tests keep the small bundled models: a catalog model installed on this machine (which every
 # command would load by default) is out of their sight, in their processes and those they start.
 os.environ.setdefault("ARBITER_MODEL_STORE", tempfile.mkdtemp(prefix="arbiter-test-store-"))
+# `arbiter local` keeps its S3 + SQS state between runs; a stack a test starts keeps it here, never
+# in the user's own state directory (where it would be restored into their next `make run`).
+os.environ.setdefault("ARBITER_LOCAL_STATE_DIR", tempfile.mkdtemp(prefix="arbiter-test-state-"))
 
 # Logs go to stderr as every command sends them (arbiter.logging), also from engines a test loads
 # before any command has run: never onto a stdout a test reads as a command's answers.
@@ -125,3 +129,10 @@ def qwen_style(qwen_style_gguf: Path) -> Iterator[Engine]:
     eng = Engine(settings)
     yield eng
     eng.close()
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    """The project's wheel, built from the working tree and installed in an environment of its own
+    (tests/documented.py), once per session: the documented commands and examples run from it."""
+    return install(tmp_path_factory.mktemp("wheel"))

@@ -2,14 +2,16 @@
 
 A test that strips every ``ARBITER_*`` variable (to show a command's defaults) keeps the tests' own
 empty model store (``ARBITER_MODEL_STORE``, set in conftest): a catalog model installed on the
-machine (`make run` installs one) would otherwise be every such command's default model.
+machine (`make run` installs one) would otherwise be every such command's default model. So does
+``ARBITER_LOCAL_STATE_DIR``: a stack a test starts keeps its S3 + SQS state there, not in the
+user's own `arbiter local` state.
 """
 
 from __future__ import annotations
 
 import os
 
-KEPT = ("ARBITER_MODEL_STORE",)
+KEPT = ("ARBITER_MODEL_STORE", "ARBITER_LOCAL_STATE_DIR")
 
 
 def kept(name: str) -> bool:

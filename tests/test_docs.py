@@ -126,3 +126,37 @@ def test_bench_all_rewrites_its_section_in_the_performance_page() -> None:
     text = (ROOT / "docs" / "performance.md").read_text()
     assert text.count(README_START) == text.count(README_END) == 1
     assert text.index(README_START) < text.index(README_END)
+
+
+def _count(seeds: str) -> int:
+    start, stop = seeds.split(":")
+    return int(stop) - int(start)
+
+
+def _stated(pattern: str, path: Path) -> list[int]:
+    text = " ".join(path.read_text().split())
+    match = re.search(pattern, text)
+    assert match, f"{path.relative_to(ROOT)} no longer says {pattern!r}"
+    return [int(g.replace(",", "")) for g in match.groups()]
+
+
+def test_the_fault_campaigns_seed_counts_are_the_same_everywhere() -> None:
+    """What each target runs of the seeded fault campaign, as the Makefile, .ci/run and
+    tests/worker/test_campaign.py set it, is what the Makefile's and .ci/run's comments and
+    docs/batch-jobs.md say (they said 24, 24 and 30 seeds where 12 and 20 ran)."""
+    makefile, ci = ROOT / "Makefile", ROOT / ".ci" / "run"
+    campaign = (ROOT / "tests" / "worker" / "test_campaign.py").read_text()
+    [in_test] = re.findall(r'"ARBITER_CAMPAIGN_SEEDS", "(\d+:\d+)"', campaign)
+    [faults] = re.findall(r"^FAULT_SEEDS \?= (\d+:\d+)$", makefile.read_text(), re.M)
+    [fuzz] = re.findall(r"^FUZZ_FAULT_SEEDS \?= (\d+:\d+)$", makefile.read_text(), re.M)
+    [in_ci] = re.findall(r"make faults FAULT_SEEDS=(\d+:\d+)", ci.read_text())
+    test, faults_n, fuzz_n, ci_n = (_count(s) for s in (in_test, faults, fuzz, in_ci))
+    page = ROOT / "docs" / "batch-jobs.md"
+    assert _stated(r"`make test` runs (\d+) seeds", page) == [test]
+    assert _stated(r"`make faults` ([\d,]+) and the black-box", page) == [faults_n]
+    assert _stated(r"`make fuzz` ([\d,]+); CI runs ([\d,]+)", page) == [fuzz_n, ci_n]
+    assert _stated(r"make test runs (\d+) of its seeds, make fuzz ([\d,]+)", makefile) == [
+        test,
+        fuzz_n,
+    ]
+    assert _stated(r"\((\d+) seeds, make test runs (\d+) others\)", ci) == [ci_n, test]

@@ -121,9 +121,27 @@ def register(sub: Any) -> None:
     check.set_defaults(func=cmd_check_fanout)
 
     local = sub.add_parser(
-        "local", help="moto S3+SQS, bucket, queues, notification, `serve` and `work` on this host"
+        "local",
+        help="moto S3+SQS, bucket, queues, notification, `serve`, `work` and `runtime` on this host",
+        description="The whole stack on one machine. Its ports follow one base (ARBITER_PORT, "
+        "8080): the container on it, the SageMaker runtime API on +1, S3 + SQS on +2, the "
+        "worker metrics on +3. The S3 + SQS state is kept between runs "
+        "(ARBITER_LOCAL_STATE_DIR); Ctrl-C or SIGTERM stops everything.",
     )
-    local.add_argument("--moto-port", type=int, default=4569, help="moto server port (0: any)")
+    local.add_argument(
+        "--port", type=int, default=None, help="the base port (ARBITER_PORT, 8080; 0: any free)"
+    )
+    local.add_argument(
+        "--moto-port",
+        type=int,
+        default=None,
+        help="the S3 + SQS server's port (ARBITER_LOCAL_MOTO_PORT; default base + 2; 0: any)",
+    )
+    local.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start with empty S3 and SQS: discard the state the last run kept",
+    )
     local.add_argument("--processes", type=int, default=None, help="worker processes")
     local.add_argument("--no-serve", action="store_true", help="do not start `arbiter serve`")
     local.add_argument("--no-work", action="store_true", help="do not start `arbiter work`")

@@ -164,14 +164,21 @@ def normalize_etag(etag: str | None) -> str | None:
 Ref = JobRef | ShardRef | MergeRef
 
 
+def ignored(bucket: str, key: str, job_bucket: str, input_prefix: str) -> str | None:
+    """Why the worker ignores an object (None: it is a job). `arbiter submit` asks the same
+    before it uploads, so a file the worker would ignore is refused at once, not waited on."""
+    if bucket != job_bucket:
+        return f"bucket {bucket!r} is not the job bucket {job_bucket!r}"
+    if not key.startswith(input_prefix):
+        return f"key {key!r} is outside the input prefix {input_prefix!r}"
+    if not key.endswith(JOB_SUFFIXES):
+        return f"key {key!r} is not a job file ({', '.join(JOB_SUFFIXES)})"
+    return None
+
+
 def _accept(ref: Ref, bucket: str, input_prefix: str) -> Ref | Ignored:
-    if ref.bucket != bucket:
-        return Ignored(f"bucket {ref.bucket!r} is not the job bucket {bucket!r}")
-    if not ref.key.startswith(input_prefix):
-        return Ignored(f"key {ref.key!r} is outside the input prefix {input_prefix!r}")
-    if not ref.key.endswith(JOB_SUFFIXES):
-        return Ignored(f"key {ref.key!r} is not a job file ({', '.join(JOB_SUFFIXES)})")
-    return ref
+    why = ignored(ref.bucket, ref.key, bucket, input_prefix)
+    return ref if why is None else Ignored(why)
 
 
 def _records(event: S3EventNotification, bucket: str, input_prefix: str) -> list[Ref | Ignored]:

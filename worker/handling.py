@@ -132,6 +132,7 @@ class Handler:
                     await asyncio.wait({work})  # a lease lost to the queue: the job goes on
             finally:  # the job stops the keeper (and a cancelled handle stops both)
                 await stop_together(keeper, work)
+                await lease.reported()
             if work.cancelled():
                 self.metrics.jobs.labels("lease_lost").inc()
                 error = lease_error(keeper)

@@ -42,6 +42,7 @@ from arbiter.settings import MB as MiB
 from worker.events import JobRef, Ref, normalize_etag
 from worker.faults import Fault
 from worker.formats import PIECE, Item, items_for
+from worker.progress import Progress
 from worker.s3io import (
     abort_uploads,
     exists,
@@ -100,6 +101,11 @@ class OutputKeys:
     def rejected(self) -> str:
         """``....<etag>.rejected.json``: why the job was refused (never beside a summary)."""
         return self.summary.removesuffix(".summary.json") + ".rejected.json"
+
+    @property
+    def status(self) -> str:
+        """``....<etag>.status.json``: the job's progress (worker.progress, worker.fanout.status)."""
+        return self.summary.removesuffix("summary.json") + "status.json"
 
 
 def output_keys(settings: WorkerSettings, key: str, etag: str) -> OutputKeys:
@@ -263,6 +269,7 @@ async def write_records(
     metrics: Any = None,
     run: Runner | None = None,
     judge_engine: bool = True,
+    progress: Progress | None = None,
 ) -> _Tally:
     """Score ``items`` in chunks and write one record line per item to ``out``, in order.
 
@@ -279,6 +286,8 @@ async def write_records(
         if len(chunk) >= settings.chunk_decisions or size >= limit:
             await _score_chunk(engine, chunk, out, tally, metrics, run, judge_engine)
             chunk, size = [], 0
+            if progress is not None:
+                await progress(tally.lines, tally.failed)
     if chunk:
         await _score_chunk(engine, chunk, out, tally, metrics, run, judge_engine)
     return tally
@@ -409,11 +418,18 @@ async def run_job(
     written = False
     if not await exists(s3, settings.bucket, keys.results):
         response = await open_input(s3, ref, found)
-        with tempfile.TemporaryFile(dir=settings.tmp_dir) as spool:
-            async with response["Body"] as body:
-                items = items_for(ref.key, raw_chunks(body), settings.max_line_bytes)
-                tally = await write_records(engine, items, spool, settings, metrics, run)
-            written = await upload_spool(s3, settings, keys.results, spool, exclusive=True)
+        progress = Progress(s3, settings.bucket, keys.status)
+        try:
+            await progress(0, 0)
+            with tempfile.TemporaryFile(dir=settings.tmp_dir) as spool:
+                async with response["Body"] as body:
+                    items = items_for(ref.key, raw_chunks(body), settings.max_line_bytes)
+                    tally = await write_records(
+                        engine, items, spool, settings, metrics, run, progress=progress
+                    )
+                written = await upload_spool(s3, settings, keys.results, spool, exclusive=True)
+        finally:
+            await asyncio.shield(progress.clear())
     if not written:  # results of an earlier attempt (or ours, answer lost): describe those
         tally, found_model = await tally_results(s3, settings.bucket, keys.results)
         model = found_model or model

@@ -85,13 +85,23 @@ class Lease:
         self.until = received_at + settings.visibility_timeout_s
         self.on_lost = on_lost
         self.lost: str | None = None  # why the lease was lost to the queue, once it was
+        # on_lost's call, its own task: stopping the keeper must not cut it between its writes
+        # (a record put, then not deleted although its job had ended, is left behind).
+        self.reporting: asyncio.Future[None] | None = None
 
     async def _lost(self, reason: str) -> None:
         if self.lost is None:
             self.lost = reason
             log.warning("visibility.lost", reason=reason, action="the job goes on")
             if self.on_lost is not None:
-                await self.on_lost(reason)
+                self.reporting = asyncio.ensure_future(self.on_lost(reason))
+                await asyncio.shield(self.reporting)
+
+    async def reported(self) -> None:
+        """Wait for ``on_lost``'s call, if one began (whoever stops the keeper waits for it)."""
+        if self.reporting is not None:
+            with contextlib.suppress(Exception):
+                await self.reporting
 
     async def keep(self) -> LeaseLost:
         """Renew until cancelled; returns only when the job must stop (the 12-hour limit) or the

@@ -1,15 +1,19 @@
-"""`arbiter local`: the whole stack on one machine.
+"""`arbiter local`: the whole stack on one machine, as one thing.
 
 A moto server on 127.0.0.1 stands in for S3 and SQS (unless ARBITER_AWS_ENDPOINT_URL names one),
 the bucket, queue, dead-letter queue and S3 -> SQS notification are created, and `arbiter serve`,
-`arbiter work` and `arbiter runtime` (the SageMaker Runtime API, port 8081) run as child processes
-until Ctrl-C / SIGTERM, which they receive in turn.
+`arbiter work` and `arbiter runtime` run as child processes. The ports follow one base
+(:mod:`worker.local_ports`), busy ones refused before a model loads; "up" is printed once every
+part answers, with what is still loading meanwhile (:mod:`worker.local_watch`); Ctrl-C or SIGTERM
+stops everything at any moment, a second one at once; the S3 + SQS state is kept for the next run
+(:mod:`worker.local_state`), so what the stack accepted is answered after a restart.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import logging
@@ -17,9 +21,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
+from pathlib import Path
 from typing import Any
 
+from worker import local_state
+from worker.local_ports import LocalSettings, Ports, plan
+from worker.local_watch import first_exit, wait_up
 from worker.settings import WorkerSettings
 
 
@@ -51,29 +58,155 @@ async def _provision(settings: WorkerSettings) -> dict[str, str]:
         return await ensure_stack(s3, sqs, settings)
 
 
+def local_settings(args: argparse.Namespace) -> LocalSettings:
+    updates = {"port": args.port, "moto_port": args.moto_port}
+    return LocalSettings().model_copy(update={k: v for k, v in updates.items() if v is not None})
+
+
 def run_local(args: argparse.Namespace) -> int:
+    settings = local_settings(args)
     base = WorkerSettings()
-    if not (args.no_serve and args.no_work):  # a missing model refused before anything starts
+    serve = not args.no_serve and importlib.util.find_spec("adapter.app") is not None
+    if not args.no_serve and not serve:
+        print("note: `arbiter serve` is not available in this build; not started", flush=True)
+    if serve or not args.no_work:  # a missing model refused before anything starts
         from arbiter.engine import check_files
         from arbiter.settings import engine_from_environment
 
         check_files(engine_from_environment())
+    moto = not base.aws_endpoint_url
+    ports = plan(
+        settings, serve=serve, runtime=not args.no_runtime, work=not args.no_work, moto=moto
+    )
+    state = settings.state_path(ports.s3.port) if ports.s3 is not None else None
+    restored = None
+    if state is not None:
+        if args.fresh:
+            local_state.discard(state)
+        else:
+            restored = local_state.load(state)  # refused in one line before anything starts
     server = None
-    endpoint = base.aws_endpoint_url
-    if not endpoint:
-        server, endpoint = _start_moto(args.moto_port)
+    endpoint = base.aws_endpoint_url or ""
+    if ports.s3 is not None:
+        server, endpoint = _start_moto(ports.s3.port)
+    try:
+        return asyncio.run(_run(args, settings, base, ports, endpoint, (state, restored)))
+    except KeyboardInterrupt:  # before the loop's own handlers were set
+        return 130
+    finally:
+        if server is not None:
+            server.stop()
+            if state is not None:
+                kept = local_state.save(state)
+                print(f"kept the local S3 + SQS state in {state} ({kept})", flush=True)
+
+
+def _child_env(
+    args: argparse.Namespace, settings: LocalSettings, ports: Ports, endpoint: str
+) -> dict[str, str]:
     env = {**os.environ, "ARBITER_AWS_ENDPOINT_URL": endpoint}
     if not env.get("AWS_ACCESS_KEY_ID"):
         env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
     if args.processes:
         env["ARBITER_WORKER_PROCESSES"] = str(args.processes)
-    settings = base.model_copy(update={"aws_endpoint_url": endpoint})
-    stack = asyncio.run(_provision(settings))
+    if ports.container is not None:
+        env["ARBITER_PORT"] = str(ports.container.port)
+    if ports.runtime is not None:
+        env["ARBITER_RUNTIME_PORT"] = str(ports.runtime.port)
+        env["ARBITER_RUNTIME_CONTAINER_URL"] = container_url(settings, ports)
+    env["ARBITER_METRICS_PORT"] = str(ports.metrics.port if ports.metrics else 0)
+    # A stop hands back what each part holds after this long (the queues keep it, and the state
+    # file keeps the queues), so Ctrl-C ends the stack within seconds.
+    env.setdefault("ARBITER_DRAIN_DEADLINE_S", f"{settings.drain_s:g}")
+    env.setdefault("ARBITER_RUNTIME_DRAIN_S", f"{settings.drain_s:g}")
+    return env
 
-    children = _spawn(args, env)
+
+def container_url(settings: LocalSettings, ports: Ports) -> str:
+    """The container the runtime calls: the one this stack starts, unless one is named."""
+    if settings.container_url:
+        return settings.container_url
+    port = ports.container.port if ports.container is not None else settings.port
+    host = settings.host if settings.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+    return f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+
+
+async def _run(
+    args: argparse.Namespace,
+    settings: LocalSettings,
+    base: WorkerSettings,
+    ports: Ports,
+    endpoint: str,
+    kept: tuple[Path | None, local_state.Held | None],
+) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    worker_settings = base.model_copy(update={"aws_endpoint_url": endpoint})
+    env = _child_env(args, settings, ports, endpoint)
+    _say_starting(ports, endpoint, kept)
+    stack = await _provision(worker_settings)
+    children = _spawn(args, ports, env)
+    try:
+        exited = asyncio.create_task(first_exit(children))
+        stopped = asyncio.create_task(stop.wait())
+        processes = int(env.get("ARBITER_WORKER_PROCESSES") or base.worker_processes)
+        up = asyncio.create_task(wait_up(ports, container_url(settings, ports), processes))
+        done = await _first(up, exited, stopped)
+        if done is up:
+            _say_up(worker_settings, stack, endpoint, up.result())
+            if args.submit is not None:
+                demo = asyncio.create_task(_demo(worker_settings, args.submit))
+                await _first(demo, exited, stopped)
+            await _first(exited, stopped)
+        crashed = exited.done() and not stop.is_set()
+        if crashed:
+            name, code = exited.result()
+            print(
+                f"arbiter local: {name} exited with status {code}; stopping the stack", flush=True
+            )
+        for task in (up, exited, stopped):
+            task.cancel()
+        return await _stop(children, stop, settings.drain_s + 20) or int(crashed)
+    except BaseException:
+        for child in children.values():
+            if child.poll() is None:
+                child.kill()
+        raise
+
+
+async def _first(*tasks: asyncio.Task[Any]) -> asyncio.Task[Any]:
+    """The first of ``tasks`` to finish (the others keep running); a task that failed raises."""
+    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in tasks:
+        if task in done:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+            return task
+    raise AssertionError("asyncio.wait returned nothing")  # pragma: no cover
+
+
+def _say_starting(
+    ports: Ports, endpoint: str, kept: tuple[Path | None, local_state.Held | None]
+) -> None:
+    state, restored = kept
+    lines = ["arbiter local: starting (ARBITER_PORT moves every port; Ctrl-C stops)"]
+    for part in ports.parts():
+        lines.append(f"  {part.name}: {part.host}:{part.port}")
+    lines.append(f"  S3 + SQS endpoint: {endpoint}")
+    if state is None:
+        lines.append("  S3 + SQS state: not kept between runs")
+    elif restored is None:
+        lines.append(f"  S3 + SQS state: new, kept at stop in {state}")
+    else:
+        lines.append(f"  S3 + SQS state: restored from {state} ({restored})")
+    print("\n".join(lines), flush=True)
+
+
+def _say_up(settings: WorkerSettings, stack: dict[str, str], endpoint: str, seconds: float) -> None:
     print(
-        f"arbiter local is up\n"
-        f"  S3 + SQS endpoint: {endpoint}\n"
+        f"arbiter local is up ({seconds:.0f} s)\n"
         f"  bucket:            s3://{settings.bucket}/{settings.input_prefix} -> "
         f"{settings.output_prefix}\n"
         f"  queue:             {stack['queue_url']} (dead letters: {stack['dlq_url']})\n"
@@ -82,18 +215,6 @@ def run_local(args: argparse.Namespace) -> int:
         f"Ctrl-C stops everything.",
         flush=True,
     )
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    if args.submit is not None:
-        asyncio.run(_demo(settings, args.submit))
-    while not stop.wait(0.5):
-        if children and all(c.poll() is not None for c in children):
-            break
-    status = _stop(children, settings.drain_deadline_s + 20)
-    if server is not None:
-        server.stop()
-    return status
 
 
 async def _demo(settings: WorkerSettings, path: Any) -> None:
@@ -131,30 +252,43 @@ async def _demo(settings: WorkerSettings, path: Any) -> None:
     print("the stack keeps running (curl localhost:8080/ping); Ctrl-C stops it.", flush=True)
 
 
-def _spawn(args: argparse.Namespace, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
-    children: list[subprocess.Popen[bytes]] = []
-    if not args.no_serve:
-        if importlib.util.find_spec("adapter.app") is None:
-            print("note: `arbiter serve` is not available in this build; not started", flush=True)
-        else:
-            children.append(subprocess.Popen([sys.executable, "-m", "arbiter", "serve"], env=env))
+def _spawn(
+    args: argparse.Namespace, ports: Ports, env: dict[str, str]
+) -> dict[str, subprocess.Popen[bytes]]:
+    """The parts, by the name a user reads."""
+    commands = {}
+    if ports.container is not None:
+        commands["the container (arbiter serve)"] = "serve"
     if not args.no_work:
-        children.append(subprocess.Popen([sys.executable, "-m", "arbiter", "work"], env=env))
-    if not getattr(args, "no_runtime", False):  # the SageMaker Runtime API; it prints its URL
-        children.append(subprocess.Popen([sys.executable, "-m", "arbiter", "runtime"], env=env))
-    return children
+        commands["the worker pool (arbiter work)"] = "work"
+    if ports.runtime is not None:  # the SageMaker Runtime API; it prints its URL
+        commands["the SageMaker runtime API (arbiter runtime)"] = "runtime"
+    return {
+        name: subprocess.Popen([sys.executable, "-m", "arbiter", command], env=env)
+        for name, command in commands.items()
+    }
 
 
-def _stop(children: list[subprocess.Popen[bytes]], timeout_s: float) -> int:
-    """SIGTERM to each child, then wait (they drain); 1 if one had to be killed."""
-    for child in children:
+async def _stop(
+    children: dict[str, subprocess.Popen[bytes]], again: asyncio.Event, timeout_s: float
+) -> int:
+    """SIGTERM to each child, then wait while they hand back what they hold; a second Ctrl-C or
+    SIGTERM, or ``timeout_s``, kills the rest. 1 if one had to be killed."""
+    again.clear()
+    for child in children.values():
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
+    print("arbiter local: stopping (Ctrl-C again to kill at once)", flush=True)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while any(c.poll() is None for c in children.values()):
+        if again.is_set() or loop.time() > deadline:
+            break
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(again.wait(), 0.1)
     status = 0
-    for child in children:
-        try:
-            child.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+    for child in children.values():
+        if child.poll() is None:
             child.kill()
             child.wait()
             status = 1

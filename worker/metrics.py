@@ -45,6 +45,13 @@ class WorkerMetrics:
             "Calls to the ECS agent's task-protection endpoint that failed or were refused.",
             registry=registry,
         )
+        self.ready = Gauge(
+            "arbiter_worker_ready",
+            "Worker processes with their engine loaded and their queue found, taking messages "
+            "(`arbiter local` waits for all of them before it says it is up).",
+            multiprocess_mode="livesum",
+            registry=registry,
+        )
         self.decisions_per_s = Gauge(
             "arbiter_worker_decisions_per_second",
             "Decisions per second of the latest job, summed over live worker processes.",

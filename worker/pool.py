@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -29,6 +30,7 @@ from typing import Any
 import structlog
 
 from arbiter.logging import configure
+from arbiter.ports import bind
 from worker.policies import RestartPolicy
 from worker.protection import InHand, TaskProtection
 from worker.settings import MULTIPROC_ENV, WorkerSettings
@@ -255,7 +257,7 @@ class Pool:
         self.log.info("pool.stopped")
 
 
-async def _serve_metrics(settings: WorkerSettings) -> Any:
+async def _serve_metrics(sock: socket.socket) -> Any:
     from aiohttp import web
     from prometheus_client.aiohttp import make_aiohttp_handler
 
@@ -265,7 +267,7 @@ async def _serve_metrics(settings: WorkerSettings) -> Any:
     app.router.add_get("/metrics", make_aiohttp_handler(registry=multiprocess_registry()))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, settings.metrics_host, settings.metrics_port)
+    site = web.SockSite(runner, sock)
     await site.start()
     return runner
 
@@ -274,6 +276,18 @@ async def run_pool(settings: WorkerSettings, metrics_dir: Path | None = None) ->
     """Run the pool until SIGTERM/SIGINT; returns the exit status (0 after a drain, 1 after a
     crash loop)."""
     log = structlog.get_logger("arbiter.pool")
+    # Bound before anything else: a busy port is one line (status 2), not a traceback after the
+    # workers were spawned.
+    sock = (
+        bind(
+            settings.metrics_host,
+            settings.metrics_port,
+            "the pool's metrics",
+            "ARBITER_METRICS_PORT",
+        )
+        if settings.metrics_port
+        else None
+    )
     owned = metrics_dir is None and not os.environ.get(MULTIPROC_ENV)
     if os.environ.get(MULTIPROC_ENV) and metrics_dir is None:
         metrics_dir = Path(os.environ[MULTIPROC_ENV])
@@ -283,7 +297,7 @@ async def run_pool(settings: WorkerSettings, metrics_dir: Path | None = None) ->
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, pool.stop)
-    runner = await _serve_metrics(settings) if settings.metrics_port else None
+    runner = await _serve_metrics(sock) if sock is not None else None
     if runner is not None:
         log.info(
             "pool.metrics",

@@ -131,11 +131,13 @@ class Consumer:
     async def run(self) -> None:
         """Receive and handle messages until :meth:`stop`, then drain."""
         log.info("worker.ready", queue=self.queue.url)
+        self.metrics.ready.set(1)
         try:
             await self._loop()
         finally:
             # An engine call abandoned at the drain deadline may still be computing: not waited for.
             self._engine_thread.shutdown(wait=False, cancel_futures=True)
+            self.metrics.ready.set(0)
         log.info("worker.stopped")
 
     async def _loop(self) -> None:

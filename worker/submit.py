@@ -1,7 +1,9 @@
 """`arbiter submit`: drop a job file into the input prefix and wait for its summary.
 
-A job large enough to be split into shards shows its progress meanwhile: a bar on stderr, read
-from the job's status object (shards and lines done, lines failed, ETA).
+Every job shows its progress meanwhile: a bar on stderr, "queued" until a worker takes it, then
+read from the job's status object (lines done and failed; shards too for a split job). A file the
+worker would ignore (not ``.jsonl``/``.json``, optionally ``.gz``) is refused before anything is
+uploaded, and an unchanged file, whose summary exists from an earlier run, is said to be that.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import asyncio
 import json
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,8 @@ from aiobotocore.session import get_session
 from botocore.exceptions import ClientError
 from tqdm import tqdm
 
-from worker.events import normalize_etag
+from arbiter.errors import ArbiterError
+from worker.events import ignored, normalize_etag
 from worker.fanout.job import SHARD_LINES_METADATA
 from worker.fanout.status import status_key
 from worker.jobs import output_keys
@@ -27,10 +31,40 @@ from worker.settings import WorkerSettings
 
 def _show(bar: tqdm[Any], doc: dict[str, Any]) -> None:
     shards = doc["shards"]
-    bar.total = doc["lines"]["total"]
+    bar.set_description_str("lines")
+    bar.total = doc["lines"]["total"] or bar.total
     bar.update(doc["lines"]["done"] - bar.n)  # the rate counts lines done while watched
     failed = f", {doc['lines']['failed']} lines failed" if doc["lines"]["failed"] else ""
-    bar.set_postfix_str(f"{shards['done'] + shards['failed']}/{shards['total']} shards{failed}")
+    split = (
+        f"{shards['done'] + shards['failed']}/{shards['total']} shards"
+        if shards["total"] > 1
+        else ""
+    )
+    bar.set_postfix_str(", ".join(p for p in (split, failed.removeprefix(", ")) if p))
+
+
+def count_lines(path: Path) -> int | None:
+    """The decisions in a job file, for the bar's total (None when it cannot tell cheaply)."""
+    import gzip
+
+    try:
+        opener: Any = gzip.open if path.name.endswith(".gz") else open
+        if path.name.removesuffix(".gz").endswith(".jsonl"):
+            with opener(path, "rb") as source:
+                return sum(1 for line in source if line.strip())
+        with opener(path, "rb") as source:
+            decisions = json.load(source).get("decisions")
+        return len(decisions) if isinstance(decisions, list) else None
+    except (OSError, ValueError, AttributeError, EOFError):
+        return None
+
+
+def refusal(settings: WorkerSettings, key: str) -> str | None:
+    """Why this submission cannot become a job (the worker would ignore it), or None."""
+    why = ignored(settings.bucket, key, settings.bucket, settings.input_prefix)
+    if why is None:
+        return None
+    return f"the worker ignores it: {why}; name a job file (or pass --key)"
 
 
 async def _rejection(s3: Any, bucket: str, key: str, uploaded: Any) -> dict[str, Any] | None:
@@ -61,9 +95,14 @@ async def submit(
     ``rejected`` reason, if the workers refused it), or None after ``timeout_s``.
     ``shard_lines``: this job's shard size (``x-amz-meta-arbiter-shard-lines``), else the workers'."""
     key = key or f"{settings.input_prefix}{path.name}"
+    refused = refusal(settings, key)
+    if refused is not None:
+        raise ArbiterError(f"refused: {refused}")
     bar: tqdm[Any] | None = None
+    total = await asyncio.to_thread(count_lines, path) if progress else None
     async with get_session().create_client("s3", **settings.client_kwargs()) as s3:
         data = await asyncio.to_thread(path.read_bytes)
+        sent_at = datetime.now(UTC)
         meta = {SHARD_LINES_METADATA: str(shard_lines)} if shard_lines else {}
         put = await s3.put_object(Bucket=settings.bucket, Key=key, Body=data, Metadata=meta)
         etag = normalize_etag(put["ETag"]) or ""
@@ -74,33 +113,58 @@ async def submit(
         print(f"waiting for s3://{settings.bucket}/{keys.summary}", file=sys.stderr)
         deadline = time.monotonic() + timeout_s
         try:
+            if progress:
+                bar = tqdm(desc="queued", unit="line", file=sys.stderr, total=total)
             while time.monotonic() < deadline:
                 got = await get_json(s3, settings.bucket, keys.summary)
                 if got is not None:
                     summary: dict[str, Any] = got[0]
+                    await _say_if_earlier(
+                        s3, settings.bucket, keys.summary, uploaded, sent_at, summary
+                    )
                     if bar is not None:
                         final = await get_json(s3, settings.bucket, status_key(keys))
-                        if final is not None:
-                            _show(bar, final[0])
+                        lines = {
+                            "total": summary["lines"],
+                            "done": summary["lines"],
+                            "failed": summary.get("failed", 0),
+                        }
+                        last = {"shards": {"total": 1, "done": 1, "failed": 0}, "lines": lines}
+                        # a split job's final status; a whole one's is gone with its run
+                        _show(bar, final[0] if final is not None else last)
                         bar.refresh()
                     return summary
-                refused = await _rejection(s3, settings.bucket, keys.rejected, uploaded)
-                if refused is not None:
-                    return refused
-                if progress:
+                rejected = await _rejection(s3, settings.bucket, keys.rejected, uploaded)
+                if rejected is not None:
+                    return rejected
+                if bar is not None:
                     doc = await get_json(s3, settings.bucket, status_key(keys))
                     if doc is not None:
-                        bar = bar or tqdm(
-                            desc="lines",
-                            unit="line",
-                            file=sys.stderr,
-                            initial=doc[0]["lines"]["done"],
-                            total=doc[0]["lines"]["total"],
-                        )
                         _show(bar, doc[0])
-                        bar.refresh()
+                    bar.refresh()
                 await asyncio.sleep(0.5)
         finally:
             if bar is not None:
                 bar.close()
     return None
+
+
+async def _say_if_earlier(
+    s3: Any, bucket: str, key: str, uploaded: Any, sent_at: datetime, summary: dict[str, Any]
+) -> None:
+    """An unchanged file has the same ETag, so its summary is an earlier run's: say so. S3 dates
+    objects to the second; within the upload's second, the summary's own time decides."""
+    head = await s3.head_object(Bucket=bucket, Key=key)
+    written = head["LastModified"]
+    same_second = written == uploaded
+    try:
+        finished = datetime.fromisoformat(str(summary.get("finished_at")))
+    except ValueError:
+        finished = None
+    if written < uploaded or (same_second and finished is not None and finished < sent_at):
+        print(
+            f"arbiter submit: this file is unchanged since an earlier run (same ETag): the summary "
+            f"is that run's, finished at {summary.get('finished_at', '?')}; nothing was run again "
+            "(change the file, or its --key, to run it anew)",
+            file=sys.stderr,
+        )

@@ -22,9 +22,11 @@ serializes every use of the context. The work is done by one module per concern:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -68,17 +70,41 @@ __all__ = [
 log = get_logger("arbiter.engine")
 
 
+Progress = Callable[[str, dict[str, Any]], None]
+
+
+def _quiet(event: str, fields: dict[str, Any]) -> None:
+    return None
+
+
 class Engine:
     """Scores decisions with one llama.cpp model and context. Thread-safe: calls are serialized."""
 
-    def __init__(self, settings: EngineSettings, resolved: ResolvedModel | None = None) -> None:
+    def __init__(
+        self,
+        settings: EngineSettings,
+        resolved: ResolvedModel | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        """``progress`` is told each step of the load as it starts (a server logs them: a 1.5B
+        model's checksum, load and read check take tens of seconds that passed in silence); a
+        command that loads and answers once stays quiet, its refusals one line."""
+        say = progress or _quiet
         self.resolved = resolved or resolve_model(settings.model, settings.model_dir)
         if self.resolved.source == "bundled":
             log.warning("bundled_model", notice=BUNDLED_NOTICE)
-        self.sha256 = verify(self.resolved)
         # Checked against the model's tensors before llama.cpp loads anything.
         self.adapters = resolve_adapters(settings.lora, self.resolved, settings.model_dir)
         self.profile = resolve_profile(settings.prompt_profile, self.resolved)  # a bad one: at once
+        started = time.perf_counter()
+        say(
+            "model_loading",
+            {
+                "model": self.resolved.path.name,
+                "mb": round(self.resolved.path.stat().st_size / 1e6, 1),
+            },
+        )
+        self.sha256 = verify(self.resolved)
         # Serializes everything that uses the context; tokenizing runs outside it (chat prompts
         # are tokenized in their admission slot) under the model's own lock.
         self._lock = threading.Lock()
@@ -103,6 +129,7 @@ class Engine:
             self.calibration = load_calibration(
                 settings, self.sha256, self.resolved, self.profile.sha256
             )
+            say("model_weights_loaded", {"seconds": round(time.perf_counter() - started, 2)})
         except BaseException:
             self.llama.close()  # a model refused part-way through loading frees what it had
             raise
@@ -117,6 +144,7 @@ class Engine:
             self.cost,
         )
         try:  # the probes read where every decision is read, through the same path
+            say("read_check_started", {"mode": settings.read_check})
             self.read_check = read_check.run(
                 self.resolved.path.name,
                 self._probing(settings),

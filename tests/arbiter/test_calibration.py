@@ -4,6 +4,7 @@ abstention; adaptive rotation on the real model reads exactly what single reads 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from arbiter.engine import calibration as cal
 from arbiter.engine.abstention import Abstention
 from arbiter.engine.rotation import Read, ReadPolicy, canonical, rounds
 from arbiter.errors import InvalidDecision, ModelLoadError
+from arbiter.model_store import CATALOG
+from arbiter.profiles import DEFAULT_PROFILE, builtin_bytes
 from arbiter.schema import DecisionResult
 from arbiter.settings import EngineSettings
 from tests.fakes import decision
@@ -206,3 +209,22 @@ def test_abstention_keeps_the_answer_and_says_why(engine: Engine, tmp_path: Path
         assert other.abstained is False and other.abstention is None
     finally:
         calibrated.close()
+
+
+def test_each_catalog_model_ships_its_calibration(engine: Engine) -> None:
+    """Each model `arbiter models install` installs ships a calibration for its pinned sha256 and
+    the built-in profile (found without loading the model): prior, margin, temperatures and
+    abstention scores per read policy, so it serves calibrated out of the box. Another profile or
+    another GGUF finds none; the bundled format demo ships none (raw, and it says so)."""
+    profile = hashlib.sha256(builtin_bytes(DEFAULT_PROFILE)).hexdigest()
+    assert engine.profile.sha256 == profile  # what a catalog model serves with no profile set
+    for model in CATALOG:
+        found = cal.shipped(model.sha256, profile)
+        assert found is not None and found.source == "shipped", model.name
+        assert found.model_file == model.file and found.model_sha256 == model.sha256
+        assert {2, 3, 4, 5} <= set(found.position_prior)
+        for policy in ("adaptive", "single"):
+            assert found.policy(policy).abstention is not None, (model.name, policy)
+        assert cal.shipped(model.sha256, "00" * 32) is None  # another profile: not this file
+    assert cal.shipped("00" * 32, profile) is None
+    assert cal.shipped(engine.sha256, profile) is None

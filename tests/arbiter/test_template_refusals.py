@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -62,16 +63,23 @@ def _one_line(text: str, model: str) -> str:
 
 
 def test_serve_refuses_before_it_listens(refusing: Path, tmp_path: Path) -> None:
+    # The port is busy: only a template checked before the port is bound is what gets refused
+    # (bound first, the busy port would be; a free port, as root, would hide the order).
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ARBITER_", "SM_", "SAGE"))}
-    env.update(ARBITER_MODEL=str(refusing), ARBITER_PORT="1", ARBITER_LOG_JSON="true")
-    done = subprocess.run(
-        [sys.executable, "-m", "arbiter", "serve"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env.update(ARBITER_MODEL=str(refusing), ARBITER_HOST="127.0.0.1", ARBITER_PORT=str(port))
+        env.update(ARBITER_LOG_JSON="true")
+        done = subprocess.run(
+            [sys.executable, "-m", "arbiter", "serve"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert done.returncode == 2  # a refusal: one line, status 2 (arbiter's main)
     assert "listening" not in done.stdout + done.stderr
     line = _one_line(done.stderr, refusing.name)

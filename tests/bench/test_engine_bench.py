@@ -3,21 +3,50 @@ broken benchmark fails here rather than when someone needs its figures."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from arbiter.engine import Engine
 from bench import engine_bench
-from bench.common import QUESTIONS, case_decision, sized_state
+from bench.common import ONE_READ, QUESTIONS, case_decision, sized_state
 from bench.floor import floor_shared, plain_pass, reference_option_logits
+from tests.environ import environ_without
 from tests.threads import TEST_THREADS
 
 
+@contextmanager
+def reading(engine: Engine, **settings: Any) -> Iterator[Engine]:
+    """The session's engine with other settings for one test (they are read at each call)."""
+    before = engine.settings
+    engine.settings = before.model_copy(update=settings)
+    try:
+        yield engine
+    finally:
+        engine.settings = before
+
+
 def test_single_decision_against_the_floor(engine: Engine) -> None:
-    row = engine_bench.bench_single(engine, 150, repeats=1)
+    with reading(engine, order_policy=ONE_READ):
+        row = engine_bench.bench_single(engine, 150, repeats=1)
     assert 130 <= row["prompt_tokens"] <= 170
     assert row["engine_p50_ms"] > 0 and row["floor_p50_ms"] > 0 and row["ratio"] > 0
+    assert len(row["pairs"]) == 1
+
+
+def test_a_decision_read_in_more_orders_is_never_set_beside_the_floor(engine: Engine) -> None:
+    """The engine reads more orders while the leader is unclear (issue 34): against a floor of one
+    prefill that printed 2.6x the floor. The bench refuses such a figure instead."""
+    with (
+        reading(engine, order_policy="adaptive", order_margin=1e9),
+        pytest.raises(RuntimeError, match="order_policy 'single'"),
+    ):
+        engine_bench.bench_single(engine, 150, repeats=1)
 
 
 def test_the_floor_decodes_on_the_engines_context_and_leaves_it_clean(engine: Engine) -> None:
@@ -43,7 +72,11 @@ def test_the_adapter_rows_toggle_the_adapter_and_leave_it_applied(tmp_path: Path
     model = smollm2_path()
     assert model is not None
     lora = write_lora(model, tmp_path / "lora.gguf", seed=1)
-    eng = Engine(EngineSettings(model=model, n_threads=TEST_THREADS, n_ctx=2048, lora=f"{lora}:1"))
+    eng = Engine(
+        EngineSettings(
+            model=model, n_threads=TEST_THREADS, n_ctx=2048, lora=f"{lora}:1", order_policy=ONE_READ
+        )
+    )
     try:
         request = case_decision(0, sized_state(eng, 9, 60))
         before = eng.score([request])[0]
@@ -56,3 +89,23 @@ def test_the_adapter_rows_toggle_the_adapter_and_leave_it_applied(tmp_path: Path
         assert after.option_logits == pytest.approx(before.option_logits, abs=1e-3)
     finally:
         eng.close()
+
+
+def test_lora_random_without_gguf_is_refused_in_one_line_naming_what_to_install() -> None:
+    """`make run` installs the package and its local extra, not llama.cpp's gguf package, which
+    `--lora random` writes its adapter with: a ModuleNotFoundError traceback, before."""
+    script = (
+        "import sys; sys.modules['gguf'] = None\n"  # as in `make run`'s environment
+        "from arbiter.cli import main\n"
+        "sys.exit(main(['bench', 'engine', '--lora', 'random', '--repeats', '1']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=environ_without("ARBITER_", "SM_"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.splitlines()
+    assert "gguf" in line and "pip install" in line and "'.[bench]'" in line

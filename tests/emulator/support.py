@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -222,3 +226,32 @@ def poll_object(s3: Any, location: str, within_s: float = 60) -> bytes:
 def exists(s3: Any, location: str) -> bool:
     bucket, _, key = location[5:].partition("/")
     return bool(s3.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount"))
+
+
+@contextlib.contextmanager
+def runtime_process(env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
+    """`arbiter runtime` as a process of its own, its output lines collected."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "arbiter", "runtime"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    assert process.stdout is not None
+    out = process.stdout
+    reader = threading.Thread(target=lambda: lines.extend(iter(out.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any(line.startswith("SageMaker runtime API: ") for line in list(lines)):
+            assert process.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
+        yield process, lines
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+        reader.join(timeout=10)
+        out.close()

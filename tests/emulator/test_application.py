@@ -29,23 +29,19 @@ def test_the_readme_application_runs_unchanged_against_the_local_stack(
             "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1",
         }
-        out: list[str] = []
-        # As on AWS (and the README says): the real-time ways on one endpoint, async on the other.
-        for endpoint_name, ways in (
-            ("arbiter", ["real_time", "refused"]),
-            ("arbiter-async", ["asynchronous"]),
-            ("arbiter", ["streamed"]),
-        ):
-            ran = subprocess.run(
-                [sys.executable, str(EXAMPLES / "sagemaker_app.py"), *ways],
-                env={**env, "ENDPOINT": endpoint_name},
-                capture_output=True,
-                text=True,
-                timeout=240,
-                cwd=ROOT,
-            )
-            assert ran.returncode == 0, ran.stderr
-            out += ran.stdout.splitlines()
+        # As the README runs it, with no arguments: every way, each on its endpoint (as on AWS,
+        # the real-time ones on `arbiter` and the async one on `arbiter-async`). It used to call
+        # the async operation on the real-time endpoint, a traceback.
+        ran = subprocess.run(
+            [sys.executable, str(EXAMPLES / "sagemaker_app.py")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=ROOT,
+        )
+        assert ran.returncode == 0, ran.stderr
+        out = ran.stdout.splitlines()
     assert out[0].startswith("invoke_endpoint: ")
     assert out[1] == "ModelError: 422 invalid_decision" or out[1].startswith("ModelError: 422 ")
     assert out[2] == "invoke_endpoint_async: OutputLocation 8 records"

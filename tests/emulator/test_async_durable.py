@@ -9,18 +9,16 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+import urllib.request
 from typing import Any
 
 import pytest
 from aiohttp import web
 
 from tests import ROOT
+from tests.aws import reset_moto
 from tests.emulator.support import (
     BUCKET,
     container,
@@ -32,6 +30,7 @@ from tests.emulator.support import (
     poll_object,
     proxy,
     runtime,
+    runtime_process,
     stand_in,
     subscribe,
 )
@@ -69,6 +68,17 @@ def test_a_request_sent_while_the_model_loads_is_answered_once_it_is_up(
         loaded.set()
         output = json.loads(poll_object(s3, got["OutputLocation"]))
         [note] = notifications(endpoint, topics["success"])
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+            counted = reply.read().decode()
+    # Never sent while the model loaded: the container answered no 503 (a worker that did not
+    # wait for the ping would have met it and been sent back to the queue by its Retry-After).
+    answered = [
+        line
+        for line in counted.splitlines()
+        if line.startswith("arbiter_requests_total") and 'route="/invocations"' in line
+    ]
+    assert any('status="200"' in line for line in answered), answered
+    assert not any('status="503"' in line for line in answered), answered
     assert output["result"]["id"] == "while-loading"
     assert note["invocationStatus"] == "Completed" and note["inferenceId"] == got["InferenceId"]
     assert not exists(s3, got["FailureLocation"])
@@ -86,35 +96,6 @@ def test_a_request_sent_before_the_container_starts_waits_for_it(endpoint: str) 
         with stand_in(port=port) as (fake, _):
             assert poll_object(s3, got["OutputLocation"]) == b'{"ok": true}'
     assert len(fake.seen) == 1
-
-
-@contextmanager
-def runtime_process(env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
-    """`arbiter runtime` as a process of its own, its output lines collected."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "arbiter", "runtime"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    assert process.stdout is not None
-    out = process.stdout
-    reader = threading.Thread(target=lambda: lines.extend(iter(out.readline, "")), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not any(line.startswith("SageMaker runtime API: ") for line in list(lines)):
-            assert process.poll() is None and time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.05)
-        yield process, lines
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=30)
-        reader.join(timeout=10)
-        out.close()
 
 
 def events(lines: list[str], name: str) -> list[dict[str, Any]]:
@@ -186,6 +167,27 @@ def test_six_requests_a_sigterm_and_a_restart_all_six_answered(endpoint: str, dr
     assert completed == {c["InferenceId"] for c in calls}
 
 
+def test_a_front_waiting_for_a_container_that_never_came_stops_at_once(endpoint: str) -> None:
+    """Its workers wait on the container's ping; a SIGTERM ends that wait, not the drain time
+    (`arbiter local`'s Ctrl-C took 11 s while the runtime waited out 5 s of drain and 6 of take)."""
+    make_bucket(endpoint)
+    env = environ_without("ARBITER_", "AWS_")
+    env.update(
+        PYTHONPATH=str(ROOT),
+        ARBITER_AWS_ENDPOINT_URL=endpoint,
+        ARBITER_RUNTIME_PORT=str(free_port()),
+        ARBITER_RUNTIME_CONTAINER_URL=f"http://127.0.0.1:{free_port()}",
+        ARBITER_RUNTIME_DRAIN_S="10",
+    )
+    with runtime_process(env) as (front_process, lines):
+        time.sleep(1.0)  # the workers are in their ping backoff
+        front_process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert front_process.wait(timeout=30) == 0, "".join(lines)
+        took = time.monotonic() - started
+    assert took < 3, f"{took:.1f} s"
+
+
 def _failing(prefixes: tuple[str, ...]) -> Any:
     def decide(call: Any) -> str:
         if call.service == "s3" and call.op == "PutObject" and call.key.startswith(prefixes):
@@ -235,3 +237,64 @@ def test_when_no_object_can_be_written_the_error_notification_says_why(endpoint:
     assert "failureLocation" not in note["responseParameters"]
     assert not exists(s3, got["OutputLocation"]) and not exists(s3, got["FailureLocation"])
     assert BUCKET in got["OutputLocation"]
+
+
+def test_the_front_recovers_when_its_s3_and_sqs_server_restarts_empty(endpoint: str) -> None:
+    """Issue 37 item 10: the S3/SQS/SNS server restarted without its state (its queue and topics
+    gone): every InvokeEndpointAsync was ServiceUnavailable until the front itself restarted.
+    Now the backlog queue and the topics are made anew and the next request is answered."""
+    make_bucket(endpoint)
+    with stand_in() as (_, url), front(url, endpoint) as api:
+        client = runtime(api)
+        client.invoke_endpoint_async(
+            EndpointName="arbiter-async", ContentType="application/json", Body=b"{}"
+        )
+        reset_moto(endpoint)  # what a restarted server without state looks like
+        s3 = make_bucket(endpoint)  # the stack's bucket, provisioned again
+        got = client.invoke_endpoint_async(
+            EndpointName="arbiter-async", ContentType="application/json", Body=b"{}"
+        )
+        assert poll_object(s3, got["OutputLocation"], 30) == b'{"ok": true}'
+        topics = subscribe(endpoint)  # the topics are there again: made when it was answered
+        again = client.invoke_endpoint_async(
+            EndpointName="arbiter-async", ContentType="application/json", Body=b"{}"
+        )
+        assert poll_object(s3, again["OutputLocation"], 30) == b'{"ok": true}'
+        [note] = notifications(endpoint, topics["success"])
+    assert note["inferenceId"] == again["InferenceId"]
+
+
+def test_an_outcome_that_cannot_be_recorded_waits_for_the_store_not_the_model(
+    endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 37 item 13: S3 and SNS both refuse (403, not retried by botocore): the answer cannot
+    be recorded, so the request goes back. It was sent to the container again every 30 s, without
+    a cap; now no request reaches the container until the store answers again (its waits double),
+    and then it is answered once."""
+    from emulator import async_workers
+
+    monkeypatch.setattr(async_workers, "RETRY_UNRECORDED_S", 1)  # 30 s in production
+    down = threading.Event()
+    down.set()
+
+    def decide(call: Any) -> str:
+        if down.is_set() and (call.service == "s3" or call.op == "Publish"):
+            return "deny"
+        return "forward"
+
+    s3 = make_bucket(endpoint)
+    with stand_in() as (fake, url), proxy(endpoint, decide) as faulty, front(url, faulty) as api:
+        down.clear()  # the front made its topics and queue; now the store goes down
+        got = runtime(api).invoke_endpoint_async(
+            EndpointName="arbiter-async", ContentType="application/json", Body=b"{}"
+        )
+        down.set()
+        deadline = time.monotonic() + 20
+        while not fake.seen and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(6)  # 1 + 2 s of waits at least: the old front had re-sent it 5 times
+        sent_while_down = len(fake.seen)
+        down.clear()
+        output = poll_object(s3, got["OutputLocation"], 40)
+    assert sent_while_down == 1
+    assert output == b'{"ok": true}' and len(fake.seen) == 2

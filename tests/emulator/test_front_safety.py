@@ -15,16 +15,18 @@ import time
 
 import pytest
 from aiohttp import web
-from botocore.exceptions import EventStreamError
+from botocore.exceptions import ClientError, EventStreamError
 
 from tests import ROOT
 from tests.emulator.support import (
     BUCKET,
+    free_port,
     front,
     make_bucket,
     notifications,
     poll_object,
     runtime,
+    runtime_process,
     stand_in,
     subscribe,
 )
@@ -161,3 +163,120 @@ def test_a_front_failure_after_the_stream_began_is_an_internal_stream_failure_ev
             got["Body"].close()
     assert parts[0] == b'{"first": 1}\n'
     assert caught.value.response["Error"]["Code"] == "InternalStreamFailure"
+
+
+def test_a_local_transform_without_a_local_endpoint_refuses_real_s3_in_one_line() -> None:
+    """Issue 37 item 9: `arbiter runtime` refused real AWS unasked; `arbiter transform` read and
+    wrote the caller's real S3."""
+    env = environ_without("ARBITER_", "AWS_")
+    env.update(PYTHONPATH=str(ROOT), AWS_EC2_METADATA_DISABLED="true")
+    env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = "/nonexistent"
+    ran = subprocess.run(
+        [sys.executable, "-m", "arbiter", "transform", "s3://b/in/", "s3://b/out/"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ran.returncode == 2 and ran.stdout == ""
+    [line] = [line for line in ran.stderr.splitlines() if line.strip()]
+    assert line.startswith("arbiter transform: refused: no ARBITER_AWS_ENDPOINT_URL")
+    assert "ARBITER_RUNTIME_AWS=true" in line and "--aws" in line
+
+
+def test_a_slow_stream_to_a_client_that_reads_nothing_is_dropped_within_the_idle_time(
+    endpoint: str,
+) -> None:
+    """Issue 37 item 15: a write blocks only once every buffer on the way is full, so a slow
+    stream (4 KB/s here) to a client that reads nothing ran to its end (3 s set, 60 s streamed).
+    What the client's side has not taken tells it: dropped within a few seconds, and the
+    container's call with it."""
+    ended: list[float] = []
+    with stand_in() as (fake, url), front(url, endpoint, stream_idle_timeout_s=1.0) as api:
+
+        async def slow(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "application/jsonlines"})
+            await response.prepare(request)
+            started = time.monotonic()
+            try:
+                for _ in range(600):  # 60 s of 400 bytes every 0.1 s
+                    await response.write(b"x" * 399 + b"\n")
+                    await asyncio.sleep(0.1)
+            finally:
+                ended.append(time.monotonic() - started)
+            return response
+
+        fake.respond = slow
+        host, port = api[len("http://") :].split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as raw:
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            raw.sendall(
+                b"POST /endpoints/arbiter/invocations-response-stream HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Length: 2\r\n\r\n{}"
+            )
+            deadline = time.monotonic() + 40
+            while not ended and time.monotonic() < deadline:
+                time.sleep(0.1)  # never read
+    assert ended and ended[0] < 12, ended
+
+
+def _runtime_env(endpoint: str, **extra: str) -> dict[str, str]:
+    env = environ_without("ARBITER_", "AWS_")
+    env.update(
+        PYTHONPATH=str(ROOT),
+        ARBITER_AWS_ENDPOINT_URL=endpoint,
+        ARBITER_RUNTIME_PORT=str(free_port()),
+        ARBITER_RUNTIME_CONTAINER_URL=f"http://127.0.0.1:{free_port()}",
+        **extra,
+    )
+    return env
+
+
+def test_headers_sent_slowly_are_answered_408_and_the_connection_closed(endpoint: str) -> None:
+    """Issue 37 item 15: request headers were never timed (aiohttp's keep-alive aside); now they
+    get the body's timeout, ARBITER_RUNTIME_BODY_TIMEOUT_S."""
+    make_bucket(endpoint)
+    env = _runtime_env(endpoint, ARBITER_RUNTIME_BODY_TIMEOUT_S="2")
+    with runtime_process(env):
+        port = int(env["ARBITER_RUNTIME_PORT"])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+            raw.sendall(b"POST /endpoints/arbiter/invocations HTTP/1.1\r\nHost: x\r\n")
+            started = time.monotonic()
+            answer = b""
+            for byte in b"X-Slow: " + b"a" * 40:  # a byte a second: slower than the timeout
+                try:
+                    raw.sendall(bytes([byte]))
+                except OSError:
+                    break
+                raw.settimeout(1.0)
+                try:
+                    got = raw.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:  # reset, after the answer was read
+                    break
+                if not got:
+                    break
+                answer += got
+            took = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b"RequestTimeout" in answer and took < 10
+
+
+def test_headers_over_aiohttps_limit_are_a_validation_error_boto3_reads(endpoint: str) -> None:
+    """Issue 37 item 15: aiohttp answers headers over 8 KB with a plain-text 400, which boto3 saw
+    as a bare 400; the front now answers it in SageMaker's shape, a ValidationError."""
+    make_bucket(endpoint)
+    env = _runtime_env(endpoint)
+    with runtime_process(env):
+        client = runtime(f"http://127.0.0.1:{env['ARBITER_RUNTIME_PORT']}")
+        with pytest.raises(ClientError) as refused:
+            client.invoke_endpoint(
+                EndpointName="arbiter",
+                ContentType="application/json",
+                CustomAttributes="a" * 9000,
+                Body=b"{}",
+            )
+    error = refused.value.response["Error"]
+    assert error["Code"] == "ValidationError", refused.value.response
+    assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 400

@@ -11,7 +11,8 @@ import pytest
 from aiohttp import web
 from botocore.exceptions import ClientError
 
-from emulator.limits import java_pattern, rules
+from emulator.limits import rules
+from infra.patterns import java_pattern
 from tests.emulator.support import front, make_bucket, runtime, stand_in
 
 pytestmark = pytest.mark.timeout(120)

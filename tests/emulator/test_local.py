@@ -10,15 +10,17 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from tests import ROOT
-from tests.emulator.support import runtime
+from tests.emulator.support import BUCKET, aws, exists, poll_object, runtime, stand_in
 from tests.environ import environ_without
 from tests.fakes import decision_body
+from tests.worker.local_stack import Local, free_block, local_env
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.real_model]
+pytestmark = pytest.mark.timeout(300)
 
 
 def free_port() -> int:
@@ -27,6 +29,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.real_model
 def test_arbiter_local_serves_the_runtime_api_in_front_of_its_container() -> None:
     serve_port = free_port()
     env = environ_without("ARBITER_", "AWS_")
@@ -81,3 +84,105 @@ def test_arbiter_local_serves_the_runtime_api_in_front_of_its_container() -> Non
         assert local.stdout is not None
         local.stdout.close()
     assert code == 0, "".join(lines)
+
+
+@pytest.mark.timeout(240)
+def test_async_requests_accepted_before_a_stop_are_answered_after_the_restart(
+    tmp_path: Path,
+) -> None:
+    """Issue 37 item 2: three requests accepted (202) while the container is away, the stack
+    stopped with Ctrl-C's SIGINT, started again with its container: all three outputs written (they
+    were lost with the in-process moto server before), and a job dropped before the stop too."""
+    base = free_block()
+    container_port = free_port()
+    env = local_env(
+        ARBITER_LOCAL_STATE_DIR=str(tmp_path),
+        ARBITER_RUNTIME_CONTAINER_URL=f"http://127.0.0.1:{container_port}",
+    )
+    args = ["--port", str(base), "--no-serve", "--no-work"]
+    moto = f"http://127.0.0.1:{base + 2}"
+    first = Local(args, env)
+    try:
+        first.wait_for(lambda line: "arbiter local is up" in line)
+        s3 = aws("s3", moto)
+        client = runtime(f"http://127.0.0.1:{base + 1}")
+        accepted = []
+        for n in range(3):
+            key = f"async/input/r{n}.json"
+            s3.put_object(Bucket=BUCKET, Key=key, Body=json.dumps({"n": n}).encode())
+            accepted.append(
+                client.invoke_endpoint_async(
+                    EndpointName="arbiter-async",
+                    ContentType="application/json",
+                    InputLocation=f"s3://{BUCKET}/{key}",
+                )
+            )
+        s3.put_object(Bucket=BUCKET, Key="incoming/kept.jsonl", Body=b"{}\n")  # a job, queued
+        time.sleep(1.0)
+        assert not any(exists(s3, got["OutputLocation"]) for got in accepted)  # no container
+        first.popen.send_signal(signal.SIGINT)
+        assert first.popen.wait(timeout=30) == 0, first.text()
+    finally:
+        first.close()
+    assert "kept the local S3 + SQS state" in first.text()
+    with stand_in(port=container_port) as (fake, _):
+        second = Local(args, env)
+        try:
+            second.wait_for(lambda line: "S3 + SQS state: restored from" in line)
+            s3 = aws("s3", moto)
+            try:
+                outputs = [poll_object(s3, got["OutputLocation"]) for got in accepted]
+            except Exception as exc:
+                raise AssertionError(second.text()) from exc
+            assert outputs == [b'{"ok": true}'] * 3
+            jobs = aws("sqs", moto)
+            url = jobs.get_queue_url(QueueName="arbiter-jobs")["QueueUrl"]
+            bodies = [
+                m["Body"]
+                for _ in range(5)
+                for m in jobs.receive_message(
+                    QueueUrl=url, MaxNumberOfMessages=10, WaitTimeSeconds=1
+                ).get("Messages", [])
+            ]
+            assert any("kept.jsonl" in body for body in bodies), bodies
+        finally:
+            assert second.close() == 0, second.text()
+    assert sorted(json.loads(seen["body"])["n"] for seen in fake.seen) == [0, 1, 2]
+
+
+@pytest.mark.real_model
+@pytest.mark.timeout(400)
+def test_two_stacks_side_by_side_each_answer_with_their_own_model(tmp_path: Path) -> None:
+    """Issue 37 items 3 and 6: two stacks moved by ARBITER_PORT alone run side by side; each
+    runtime API calls its own stack's container (the second serves the same weights under another
+    file name, so the answer says whose model it is)."""
+    from arbiter.models import bundled_model
+
+    second_model = tmp_path / "second-stack.gguf"
+    second_model.symlink_to(bundled_model().path)
+    stacks = []
+    try:
+        for model in (None, second_model):
+            base = free_block()
+            env = local_env(ARBITER_PORT=base, ARBITER_N_THREADS="1")
+            if model is not None:
+                env["ARBITER_MODEL"] = str(model)
+            stacks.append((base, Local(["--no-work"], env)))
+        files = []
+        for base, stack in stacks:
+            up = stack.wait_for(lambda line: "arbiter local is up" in line, within_s=300)
+            said = stack.text()[: stack.text().index(up)]  # the load's steps, before "up"
+            assert all(step in said for step in ("model_loading", "read_check_started")), said
+            client = runtime(f"http://127.0.0.1:{base + 1}")
+            got = client.invoke_endpoint(
+                EndpointName="arbiter",
+                ContentType="application/json",
+                Body=json.dumps({"decision": decision_body(f"stack-{base}")}),
+            )
+            result = json.loads(got["Body"].read())["result"]
+            assert result["id"] == f"stack-{base}"
+            files.append(result["model"]["file"])
+    finally:
+        codes = [stack.close() for _, stack in stacks]
+    assert files == [bundled_model().path.name, "second-stack.gguf"]
+    assert codes == [0, 0], [stack.text() for _, stack in stacks]

@@ -296,6 +296,33 @@ def test_the_dry_run_refuses_what_sagemakers_model_refuses(
     assert code == 2 and said in err and "refused" in err
 
 
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--model-name", "my_model"], "'my_model' does not match"),
+        (
+            [
+                *("--image", IMAGE),
+                *("--model-data", "s3://b/m.tar.gz", "--role", "arn:aws:iam::123:role/r"),
+            ],
+            "'arn:aws:iam::123:role/r' does not match",
+        ),
+        (["--model-name", "m", "--content-type", "text/csv\nX-Injected: 1"], "ContentType"),
+        (["--model-name", "m", "--content-type", "text/csv\rX"], "ContentType"),
+    ],
+    ids=["model name", "3-digit account", "newline in a content type", "carriage return"],
+)
+def test_the_dry_run_refuses_what_sagemakers_patterns_refuse(
+    capsys: Any, extra: list[str], said: str
+) -> None:
+    """Issue 37 item 14: the model's patterns, as AWS applies them (the whole value; Java's `.`
+    matches no newline), were skipped: all three passed the dry run."""
+    code = main(["transform", IN, OUT, "--aws", "--dry-run", *extra])
+    captured = capsys.readouterr()
+    assert code == 2 and said in captured.err and "refused" in captured.err
+    assert captured.out == ""  # nothing printed as a plan
+
+
 def test_the_containers_payload_is_sized_to_the_jobs_timeout(local_s3: Any, capsys: Any) -> None:
     """The running container (its own ARBITER_BATCH_INVOCATION_TIMEOUT_S 600 s) offers the
     MaxPayloadInMB that fits the job's InvocationsTimeoutInSeconds, as a container started with the

@@ -11,7 +11,9 @@ import pytest
 
 from arbiter.engine.calibration import Temperatures
 from arbiter.engine.probabilities import softmax
+from arbiter.engine.rotation import ReadPolicy
 from evaluation import calibrate as fitting
+from evaluation.policy import cost_ratio, replay_all
 from evaluation.reads import key, orders_for
 
 
@@ -119,3 +121,27 @@ def test_calibrate_reads_fits_the_prior_the_margin_temperatures_and_thresholds()
     assert cal.model_sha256 == "ab" * 32 and cal.profile_sha256 == "cd" * 32
     assert cal.margin in fitting.MARGINS
     assert set(curves) == {"raw (one read, T=1)", "calibrated (adaptive)", "calibrated (single)"}
+
+
+def test_the_margin_is_the_best_the_cost_affords() -> None:
+    """An item prefills its state once and each order's suffix: with half of every prompt in the
+    suffix, reading every round costs up to 2.5x one read. Under ``max_cost`` the margin chosen
+    costs at most that on the fit part; without a bound a costlier margin is on offer."""
+    records = _reads_records(600, seed=5)
+    for record in records:
+        record.update(tokens=200, prefix_tokens=100)
+    fit = [r for r in records if r["split"] == "fit"]
+    prior = fitting.fit_priors(fit)
+    margin, study = fitting.choose_margin(fit, prior, max_cost=1.3)
+    chosen = next(row for row in study if row["margin"] == margin)
+    assert chosen["cost"] <= 1.3
+    replayed = replay_all(fit, ReadPolicy(True, margin, prior=prior))
+    by_hand = sum(100 + 100 * p.reads for p in replayed if p is not None) / (200 * len(fit))
+    assert chosen["cost"] == pytest.approx(by_hand)
+    assert max(row["cost"] for row in study) > 1.3  # the bound did choose
+    _, free = fitting.choose_margin(fit, prior, max_cost=None)
+    assert [row["cost"] for row in free] == [row["cost"] for row in study]
+    # Reads recorded without their token counts cost nothing known: no bound applies.
+    for record in fit:
+        record["prefix_tokens"] = None
+    assert cost_ratio(fit, ReadPolicy(True, margin, prior=prior)) is None

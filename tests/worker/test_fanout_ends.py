@@ -39,6 +39,17 @@ from worker.tries import Tries
 DEPS = ("store", "queue")
 
 
+def _one_shard_failed(job: Any, error: str = "boom") -> dict[str, Any]:
+    """The summary of an 8-line job in two shards whose second failed (lines 5-8, 5 receives)."""
+    span = {"index": 1, "first_line": 5, "last_line": 8, "lines": 4, "receives": 5}
+    return {
+        "lines": 8,
+        "failed": 4,
+        "input": {"bucket": "jobs", "key": job.key, "etag": job.etag},
+        "shards": {"plan": "ab" * 8, "count": 2, "failed": [{**span, "error": error}]},
+    }
+
+
 async def test_a_failed_shard_delivered_again_and_again_has_one_dlq_record(endpoint: str) -> None:
     """Shard 1's input is gone as its worker sees it (a 404), so it fails at its first receive;
     every shard message is sent twice and some deletes are faked, so the failed shard is received
@@ -222,13 +233,7 @@ async def test_an_end_that_finds_another_sending_the_records_keeps_the_job_until
         keys = output_keys(settings, job.key, job.etag)
         folder = job_folder(settings, "jobs", job.key, job.etag)
         await s3.put_object(Bucket="jobs", Key=f"{folder.base}marker", Body=b"x")
-        span = {"index": 1, "first_line": 5, "last_line": 8, "lines": 4, "receives": 5}
-        summary = {
-            "lines": 8,
-            "failed": 4,
-            "input": {"bucket": "jobs", "key": job.key, "etag": job.etag},
-            "shards": {"plan": "ab" * 8, "count": 2, "failed": [{**span, "error": "boom"}]},
-        }
+        summary = _one_shard_failed(job)
         merger = Merger(s3, settings, None, sqs, stack["dlq_url"])
         claim = {"state": "sending", "by": "dead", "at": time.time()}
         await put_new(s3, "jobs", records_key(keys), claim)
@@ -257,13 +262,7 @@ async def test_an_end_of_job_race_opens_no_breaker_and_logs_no_error(endpoint: s
         stack = await versioned_stack(s3, sqs, settings)
         job = await drop(s3, settings, "incoming/race.jsonl", numbered_body(8))
         keys = output_keys(settings, job.key, job.etag)
-        span = {"index": 1, "first_line": 5, "last_line": 8, "lines": 4, "receives": 5}
-        summary = {
-            "lines": 8,
-            "failed": 4,
-            "input": {"bucket": "jobs", "key": job.key, "etag": job.etag},
-            "shards": {"plan": "ab" * 8, "count": 2, "failed": [{**span, "error": "boom"}]},
-        }
+        summary = _one_shard_failed(job)
         await put_new(s3, "jobs", keys.summary, summary)
         claim = {"state": "sending", "by": "another", "at": time.time()}
         await put_new(s3, "jobs", records_key(keys), claim)
@@ -302,16 +301,9 @@ async def test_a_reruns_failed_shard_gets_its_own_dlq_record(endpoint: str) -> N
         keys = output_keys(settings, job.key, job.etag)
         folder = job_folder(settings, "jobs", job.key, job.etag)
         merger = Merger(s3, settings, None, sqs, stack["dlq_url"])
-        span = {"index": 1, "first_line": 5, "last_line": 8, "lines": 4, "receives": 5}
         records = []
         for run in ("2026-01-01T00:00:00+00:00", "2026-01-02T00:00:00+00:00"):
-            summary = {
-                "lines": 8,
-                "failed": 4,
-                "finished_at": run,
-                "input": {"bucket": "jobs", "key": job.key, "etag": job.etag},
-                "shards": {"plan": "ab" * 8, "count": 2, "failed": [{**span, "error": run}]},
-            }
+            summary = {**_one_shard_failed(job, error=run), "finished_at": run}
             await merger.finalize(keys, folder, summary)
             await merger.finalize(keys, folder, summary)  # a second end sends nothing more
             records += await receive_all(sqs, stack["dlq_url"], wait=1)

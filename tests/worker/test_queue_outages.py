@@ -313,3 +313,27 @@ async def test_a_receive_recorded_after_its_jobs_end_leaves_nothing(endpoint: st
         after = await list_keys(s3, "jobs", settings.shard_prefix)
     assert len(before) == 1 and before[0].endswith("/uncounted/m-1.1")
     assert after == before  # the second, written after the end, is gone
+
+
+async def test_a_record_still_being_written_when_its_job_ends_is_not_left_behind(
+    endpoint: str,
+) -> None:
+    """A lease lost to slow extensions while a job runs whole: its receive's record is still
+    being written (its PUT held 2.5 s) when the job ends and the keeper is stopped. Before, the
+    stop cut the record between its PUT and its look at the job's end, and the receive's clear
+    ran before the PUT landed: the record was left behind (the campaign's seed 1, on a loaded
+    machine). The handler now waits for the record before it answers and clears."""
+    settings = one_try(endpoint, max_receive_count=3, shard_lines=0)
+
+    def decide(call: Call) -> str:
+        record = call.op == "PutObject" and "/uncounted/" in call.key
+        return "delay" if record or call.op == "ChangeMessageVisibility" else "forward"
+
+    engine = lambda n: FakeEngine(delay_s=1.0)  # noqa: E731  3 lines, one a chunk: 3 s
+    with capture_logs() as logs:
+        bad, _, _ = await run_fleet(
+            endpoint, settings, decide, {"incoming/held.jsonl": numbered_body(3)}, engine=engine
+        )
+    events = [e["event"] for e in logs]
+    assert "visibility.lost" in events and "receive.uncounted" in events
+    assert bad == []  # nothing left under the shard prefix

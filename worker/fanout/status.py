@@ -63,7 +63,7 @@ class Contended(Busy):
 
 
 def status_key(keys: OutputKeys) -> str:
-    return keys.summary.removesuffix("summary.json") + "status.json"
+    return keys.status
 
 
 def stripe_size(shards: int, stripes: int, k: int) -> int:

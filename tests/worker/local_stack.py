@@ -1,0 +1,109 @@
+"""`arbiter local` as a process under test: started with the tests' environment, its output read
+line by line, stopped by a signal as a user's Ctrl-C would."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tests import ROOT
+from tests.environ import environ_without
+
+
+def local_env(**extra: Any) -> dict[str, str]:
+    """The tests' environment less every ARBITER_*/AWS_* setting, with a fake worker engine."""
+    env = environ_without("ARBITER_", "AWS_", "PROMETHEUS_")
+    env.update(
+        PYTHONPATH=str(ROOT),
+        ARBITER_WAIT_TIME_S="1",
+        ARBITER_WORKER_ENGINE_FACTORY="tests.fakes:make_fake_engine",
+        ARBITER_N_THREADS="1",
+    )
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def free_block(size: int = 4) -> int:
+    """A base port whose ``size`` ports are free now."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + size > 65_000:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + size):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+        return base
+    raise AssertionError("no block of free ports")
+
+
+class Local:
+    """`arbiter local ARGS` with ``env``; ``lines`` fills as it prints (stdout and stderr). The
+    checkout's by default, or ``arbiter`` (a path: the built wheel's) run in ``cwd``."""
+
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str],
+        arbiter: Path | None = None,
+        cwd: Path = ROOT,
+    ) -> None:
+        program = [str(arbiter)] if arbiter else [sys.executable, "-m", "arbiter"]
+        self.popen = subprocess.Popen(
+            [*program, "local", *args],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        out = self.popen.stdout
+        assert out is not None
+        self._reader = threading.Thread(
+            target=lambda: self.lines.extend(iter(out.readline, "")), daemon=True
+        )
+        self._reader.start()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, found: Callable[[str], bool], within_s: float = 120) -> str:
+        """The first line ``found`` accepts; fails with the output if none comes in time."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if found(line):
+                    return line
+            if self.popen.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"not printed within {within_s} s:\n{self.text()}")
+
+    def close(self, timeout_s: float = 60) -> int:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+        try:
+            code = self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            code = self.popen.wait()
+        self._reader.join(timeout=10)
+        assert self.popen.stdout is not None
+        self.popen.stdout.close()
+        return code
