@@ -6,10 +6,11 @@ and 409s, a seed may have an outage (:class:`Window`, issue 36): of the whole st
 queue, or a partial one the breaker's probe does not see (every GET of a shard input, every GET,
 every conditional write, every upload of records: some operations or keys failing while the
 probe's LIST passes, as ``SlowDown`` on a hot prefix), lasting 3 to 12 s or flapping (down 1 to 3
-s, up 1 to 2 s, 3 to 5 times), from 0.2 to 2 s after the first read of an input. A seed whose queue goes down has shards that outlive their visibility
-(a slow engine) and, with two workers or more, one try; most partial outages allow two: so a
-receive wrongly counted fails a shard. A seed may also drop a sealed job, whose input the role may
-not read: it must be rejected with its record, never held as an outage.
+s, up 1 to 2 s, 3 to 5 times), from 0.2 to 2 s after the first read of an input. A seed whose
+queue goes down has shards that outlive their visibility (a slow engine) and, with two workers or
+more, one try; most partial outages allow two (and their engine is slowed so the work meets the
+outage): so a receive wrongly counted fails a shard. A seed may also drop a sealed job, whose input
+the role may not read: it must be rejected with its record, never held as an outage.
 """
 
 from __future__ import annotations
@@ -126,11 +127,17 @@ class Plan:
             plan.anchor = "shard-inputs"
         elif outage is not None and outage.hits in PARTIAL and r.random() < 0.6:
             # Two tries through a partial outage (the probe passes, so receives go on failing):
-            # a store fault counted twice fails a shard. At most one kill, no second delivery.
-            plan.tries, plan.p["redeliver"] = 2, 0
+            # a store fault counted twice fails a shard. At most one kill, no second delivery,
+            # no shard killed on purpose (each of its kills also spends a try of whatever else
+            # its worker holds: seed 2, loaded, failed shard 0 that way).
+            plan.tries, plan.p["redeliver"], plan.exhaust = 2, 0, None
             plan.kills = dict(list(kills.items())[:1])
         elif r.random() < 0.12:
+            # No kills: one that lands on a receive of the sealed job (or on a worker holding it)
+            # spends a try that never read the input, and the job is dead-lettered past its tries
+            # without its rejection (seed 7, loaded, waited for it to the deadline).
             plan.sealed = f"incoming/sealed-{seed}.jsonl"
+            plan.kills, plan.exhaust = {}, None
         return plan
 
     @property
