@@ -16,7 +16,7 @@ LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS := $(shell scripts/llama-cmake-args)
 WHEELHOUSE := $(HOME)/.cache/arbiter/wheels/$(shell echo "$(LLAMA_CPP_PYTHON) $(LLAMA_CMAKE_ARGS)" | sha256sum | cut -c1-12)
 
-.PHONY: setup constraints run test test-container gpu-rehearse fuzz faults lint bench bench-smoke mutate soak clean
+.PHONY: setup constraints run test test-container gpu-rehearse fuzz faults faults-outage faults-sqs-flap faults-partial lint bench bench-smoke mutate soak clean
 
 # What `make run` needs (the package and the local stack's extra); `make test` adds the dev extra
 # (the SageMaker SDK, transformers, schemathesis, the linters...) on top.
@@ -79,14 +79,20 @@ fuzz: $(STAMP)
 # The fan-out under faults (docs/batch-jobs.md, "Exactly once"): the seeded fault campaign
 # (tests/worker/campaign.py; make test runs 12 of its seeds, make fuzz 3,000), then the black-box
 # runs (tests/worker/blackbox.py: arbiter work and arbiter submit behind a faulty proxy, worker
-# processes SIGKILLed at random; then the same through 150 s of 503s on every S3 request, about
-# 4 minutes). A failing seed prints the command that replays it.
+# processes SIGKILLed at random; then the same through 150 s of 503s on every S3 request, through
+# SQS answering 503 for 8 s of every 14 s for 3 minutes, and through 150 s of 503s on the shard
+# inputs' GETs alone: about 4 minutes each, mostly waiting out the outage, so the three run at once,
+# each printed whole when it ends). A failing seed prints the command that replays it.
 FAULT_SEEDS ?= 1000:1200
 FUZZ_FAULT_SEEDS ?= 2000:5000
+OUTAGES := outage sqs-flap partial
 faults: $(STAMP)
 	$(BIN)/python -m tests.worker.campaign --seeds $(FAULT_SEEDS) --concurrency 6
 	$(BIN)/python -m tests.worker.blackbox
-	$(BIN)/python -m tests.worker.blackbox --scenario outage
+	$(MAKE) --no-print-directory -j3 --output-sync=target $(addprefix faults-,$(OUTAGES))
+
+$(addprefix faults-,$(OUTAGES)): faults-%: $(STAMP)
+	$(BIN)/python -m tests.worker.blackbox --scenario $*
 
 bench: $(STAMP)
 	$(BIN)/arbiter bench engine

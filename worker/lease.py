@@ -120,7 +120,7 @@ class Lease:
                     Fault.WORK,
                 )
             try:
-                await self._renew(seconds, interval)
+                await self._renew(seconds)
             except ClientError as exc:
                 code = exc.response.get("Error", {}).get("Code", "")
                 if code in _REFUSED:
@@ -143,17 +143,18 @@ class Lease:
                     f"the message's visibility ran out while renewals failed ({error})"
                 )
 
-    async def _renew(self, seconds: int, interval: float) -> None:
-        """One extension. One that has not answered half a beat before the visibility runs out
-        (botocore still sending it again through an outage) reports the lease lost then, not
-        when it gives up: by that time SQS may be back and the message with another worker."""
+    async def _renew(self, seconds: int) -> None:
+        """One extension. One that has not answered in half the visibility it had left (botocore
+        still sending it again through an outage) reports the lease lost then, not when it gives
+        up: by that time SQS may be back and the message with another worker, whose count must
+        find this receive's record already written."""
         renewal = asyncio.ensure_future(
             self.sqs.change_message_visibility(
                 QueueUrl=self.queue_url, ReceiptHandle=self.receipt, VisibilityTimeout=seconds
             )
         )
         try:
-            deadline = self.until - interval / 2 - time.monotonic()
+            deadline = (self.until - time.monotonic()) / 2
             done, _ = await asyncio.wait({renewal}, timeout=max(0.0, deadline))
             if not done:
                 await self._lost("an extension did not answer before the visibility ran out")

@@ -90,10 +90,12 @@ SQS_WRITES = {
 
 @dataclass(frozen=True)
 class Held:
-    """The message a worker received last: its body and which receive of it this is."""
+    """The message a worker received last: its body, which receive of it this is, and the
+    receipt handle of this receive (each receive has its own)."""
 
     body: str
     receive_count: int
+    receipt: str = ""
 
 
 @dataclass(frozen=True)
@@ -400,7 +402,7 @@ def _held(data: bytes) -> Held | None:
         if messages:
             message = messages[0]
             count = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
-            return Held(message["Body"], count)
+            return Held(message["Body"], count, str(message.get("ReceiptHandle", "")))
     return None
 
 

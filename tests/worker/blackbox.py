@@ -5,15 +5,23 @@ with 503 SlowDown, while worker processes are SIGKILLed at random (the pool rest
 job must finish with every line once, in order, the single path's records, a true summary, a
 finished status, nothing left behind, no ``shard_failed`` line and an empty DLQ.
 
-Two scenarios (``make faults`` runs both):
+Four scenarios (``make faults`` runs them all):
 
 - ``faults``: three 240-line jobs in shards of 40 under random faults and kills;
 - ``outage``: three 120-line jobs in shards of 8 under the same, and from 15 s after the jobs are
   dropped, 150 s in which every S3 request is answered 503 SlowDown (a store outage: no good line
-  may turn into ``shard_failed``, no message may reach the DLQ).
+  may turn into ``shard_failed``, no message may reach the DLQ);
+- ``sqs-flap`` (issue 36): the same jobs, shards that take longer than two heartbeats (2.4 s
+  against 1 s), and from 15 s, SQS answering every request 503 for 8 s of every 14 s for 3
+  minutes (a flapping NAT gateway or VPC endpoint): leases are lost, copies and deletes refused;
+- ``partial`` (issue 36): the same jobs, and from 15 s, 150 s in which every GET of a shard input
+  is answered 503 while the probe's LIST (and every other request) works: a partial outage the
+  breaker's probe does not see.
 
-    python -m tests.worker.blackbox                     # the faults scenario; figures as JSON
-    python -m tests.worker.blackbox --scenario outage   # the store outage
+    python -m tests.worker.blackbox                       # the faults scenario; figures as JSON
+    python -m tests.worker.blackbox --scenario outage     # the store outage
+    python -m tests.worker.blackbox --scenario sqs-flap   # SQS down 8 s of every 14 s
+    python -m tests.worker.blackbox --scenario partial    # shard inputs' GETs down, LIST up
 """
 
 from __future__ import annotations
@@ -64,24 +72,47 @@ class RandomFaults:
 
 
 class Outage:
-    """Every S3 request answered 503 SlowDown from ``start_s`` after :meth:`begin` for
-    ``length_s`` (an outage of the store); any other request as ``inner`` decides."""
+    """Every request that ``hits`` answered 503 from ``start_s`` after :meth:`begin` for
+    ``length_s`` (by default every S3 request: an outage of the store); with ``flap``, (down,
+    up) seconds, only while down within that time (an outage that comes and goes); any other
+    request as ``inner`` decides."""
 
-    def __init__(self, inner: Callable[[Call], str], start_s: float, length_s: float) -> None:
+    def __init__(
+        self,
+        inner: Callable[[Call], str],
+        start_s: float,
+        length_s: float,
+        hits: Callable[[Call], bool] = lambda call: call.service == "s3",
+        flap: tuple[float, float] | None = None,
+    ) -> None:
         self.inner, self.start_s, self.length_s = inner, start_s, length_s
+        self.hits, self.flap = hits, flap
         self.began: float | None = None
         self.refused = 0
 
     def begin(self) -> None:
         self.began = time.monotonic()
 
+    def down(self) -> bool:
+        if self.began is None:
+            return False
+        since = time.monotonic() - self.began - self.start_s
+        if not 0 <= since < self.length_s:
+            return False
+        return self.flap is None or since % sum(self.flap) < self.flap[0]
+
     def __call__(self, call: Call) -> str:
-        if call.service == "s3" and self.began is not None:
-            since = time.monotonic() - self.began
-            if self.start_s <= since < self.start_s + self.length_s:
-                self.refused += 1
-                return "fail_503"
+        if self.hits(call) and self.down():
+            self.refused += 1
+            return "fail_503"
         return self.inner(call)
+
+
+HITS: dict[str, Callable[[Call], bool]] = {
+    "s3": lambda call: call.service == "s3",
+    "sqs": lambda call: call.service == "sqs",
+    "shard-inputs": lambda call: call.op == "GetObject" and "/in/" in call.key,
+}
 
 
 def _live_workers(pool: Proc) -> dict[int, int]:
@@ -161,16 +192,20 @@ async def blackbox(
     engine_delay_s: float = 0.08,
     outage: tuple[float, float] | None = None,
     requests_per_kill: int = 50,
+    hits: str = "s3",
+    flap: tuple[float, float] | None = None,
+    chunk_decisions: int = 8,
 ) -> dict[str, Any]:
     """One black-box run (see the module doc); its figures, and what did not hold. ``outage``:
-    (start, length) in seconds of a store outage, counted from the jobs' drop."""
+    (start, length) in seconds of an outage of what ``hits`` names (:data:`HITS`), counted from the
+    jobs' drop, coming and going by ``flap`` (down, up) if given."""
     started = time.monotonic()
     endpoint = moto_endpoint()
     reset_moto(endpoint)
     rng = random.Random(seed)
     settings = WorkerSettings(aws_endpoint_url=endpoint, bucket="jobs", max_line_bytes=400)
     faults = RandomFaults(seed, lose=0.05, slow_down=0.02, fake_delete=0.25)
-    store = Outage(faults, *outage) if outage else None
+    store = Outage(faults, *outage, HITS[hits], flap) if outage else None
     requests = Counted(store or faults)
     proxy = FaultProxy(endpoint, requests)
     await proxy.start()
@@ -189,7 +224,7 @@ async def blackbox(
                 ARBITER_VISIBILITY_TIMEOUT_S=3,
                 ARBITER_HEARTBEAT_S=1,
                 ARBITER_FAKE_DELAY_S=engine_delay_s,
-                ARBITER_CHUNK_DECISIONS=8,
+                ARBITER_CHUNK_DECISIONS=chunk_decisions,
                 ARBITER_BACKOFF_BASE_S=0.5,
                 ARBITER_BACKOFF_MAX_S=2,
                 ARBITER_MAX_RESTARTS=10_000,
@@ -207,6 +242,7 @@ async def blackbox(
                     found = await _run_jobs(s3, sqs, stack, settings, jobs, lines, timeout_s)
                 finally:
                     killer.cancel()
+                alive = pool.popen.poll() is None  # the pool lived through it all
             finally:
                 pool.popen.send_signal(signal.SIGTERM)
                 try:
@@ -214,6 +250,8 @@ async def blackbox(
                 except subprocess.TimeoutExpired:
                     pool.kill_all()
             bad, summaries = found
+            if not alive:
+                bad.append(f"the pool exited {pool.popen.returncode} before the jobs ended")
             if bad:
                 log = Path(tempfile.gettempdir()) / f"blackbox-{seed}-{os.getpid()}.log"
                 log.write_text("\n".join(pool.lines) + "\n")
@@ -233,9 +271,19 @@ async def blackbox(
         "store_unavailable": len(pool.events("store.unavailable")),
         "outage_retries": len(pool.events("message.outage")),
         "faults": dict(sorted(counts.items())),
-        "outage": {"start_s": outage[0], "length_s": outage[1], "s3_refused": store.refused}
+        "outage": {
+            "start_s": outage[0],
+            "length_s": outage[1],
+            "hits": hits,
+            "flap": flap,
+            "refused": store.refused,
+        }
         if outage and store
         else None,
+        "leases_lost": len(pool.events("visibility.lost")),
+        "receives_uncounted": len(pool.events("receive.uncounted")),
+        "queue_unavailable": len(pool.events("queue.unavailable")),
+        "pool_exit": pool.popen.returncode,
         "summaries": summaries,
         "violations": bad,
         "wall_s": round(time.monotonic() - started, 1),
@@ -324,6 +372,23 @@ async def _drained(sqs: Any, url: str) -> bool:
 SCENARIOS: dict[str, dict[str, Any]] = {
     "faults": {"lines": 240, "shard_lines": 40},
     "outage": {"lines": 120, "shard_lines": 8, "outage": (15.0, 150.0), "timeout_s": 600},
+    "sqs-flap": {
+        "lines": 120,
+        "shard_lines": 8,
+        "outage": (15.0, 180.0),
+        "hits": "sqs",
+        "flap": (8.0, 6.0),
+        "chunk_decisions": 2,
+        "engine_delay_s": 0.6,  # 4 calls of 0.6 s: a shard takes 2.4 s, heartbeats are 1 s
+        "timeout_s": 600,
+    },
+    "partial": {
+        "lines": 120,
+        "shard_lines": 8,
+        "outage": (15.0, 150.0),
+        "hits": "shard-inputs",
+        "timeout_s": 600,
+    },
 }
 
 

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote_plus
 
 from tests.aws import read_object, receive_all
 from tests.worker.fanout_support import pending, stripped
@@ -122,11 +123,13 @@ async def violations(
     jobs: Sequence[Job],
     dead_letters: list[dict[str, Any]] | None = None,
     duplicate_records: bool = False,
+    rejected: Sequence[str] = (),
 ) -> list[str]:
     """Every job finished once, line for line; nothing left behind; the DLQ holds exactly one
     record per shard that truly failed (its lines ``shard_failed`` and counted) and nothing else.
     ``dead_letters`` collects the DLQ's messages; ``duplicate_records``: a worker was killed right
-    after sending a record (the one way a record comes twice, worker/fanout/deadletters.py)."""
+    after sending a record (the one way a record comes twice, worker/fanout/deadletters.py);
+    ``rejected``: keys of jobs that must be rejected, whose notifications the DLQ holds."""
     bad: list[str] = []
     failed: set[tuple[str, int]] = set()
     for job in jobs:
@@ -149,21 +152,45 @@ async def violations(
         if not got:
             break
         dead += got
+    bodies = [json.loads(m["Body"]) for m in dead]
+    if dead_letters is not None:
+        dead_letters += bodies
+    return bad + _dead_letter_violations(bodies, failed, duplicate_records, rejected)
+
+
+def _dead_letter_violations(
+    dead: list[dict[str, Any]],
+    failed: set[tuple[str, int]],
+    duplicate_records: bool,
+    rejected: Sequence[str],
+) -> list[str]:
+    """One record per failed shard, the rejected jobs' notifications, and nothing else."""
+    bad = []
     copies: Counter[tuple[str, int]] = Counter()
-    for message in dead:
-        body = json.loads(message["Body"])
-        if dead_letters is not None:
-            dead_letters.append(body)
+    refused = set()
+    for body in dead:
+        if (key := _notified(body)) in rejected:
+            refused.add(key)
+            continue
         copy = (body.get("key"), body.get("index"))
         if "arbiter_shard" not in body or copy not in failed:
-            bad.append(f"the DLQ holds {message['Body'][:200]}")
+            bad.append(f"the DLQ holds {json.dumps(body)[:200]}")
         copies[copy] += 1
     if failed - set(copies):
         bad.append(f"failed shards without a DLQ record: {sorted(failed - set(copies))}")
+    if set(rejected) - refused:
+        bad.append(f"rejected jobs not in the DLQ: {sorted(set(rejected) - refused)}")
     twice = sorted(c for c, n in copies.items() if n > 1)
     if twice and not duplicate_records:
         bad.append(f"failed shards with more than one DLQ record: {twice}")
     return bad
+
+
+def _notified(body: dict[str, Any]) -> str | None:
+    """The key an S3 notification names (decoded), if ``body`` is one."""
+    records = body.get("Records") or [{}]
+    key = records[0].get("s3", {}).get("object", {}).get("key")
+    return unquote_plus(key) if isinstance(key, str) else None
 
 
 def records_may_repeat(log: Sequence[tuple[int, str, str, str]], dlq_name: str) -> bool:
