@@ -172,7 +172,7 @@ class Stack:
 
     async def run_job(self, s3: Any, key: str, job: bytes) -> tuple[float, dict[str, Any]]:
         """Drop the job; seconds from PutObject to its summary, and the summary."""
-        from worker.jobs import output_keys
+        from worker.outputs import output_keys
 
         started = time.perf_counter()
         put = await s3.put_object(Bucket="bench", Key=key, Body=job)

@@ -30,7 +30,7 @@ from typing import Any
 
 from worker.fanout.keys import job_folder
 from worker.fanout.status import status_key
-from worker.jobs import output_keys
+from worker.outputs import output_keys
 from worker.s3io import get_bytes
 from worker.settings import WorkerSettings
 

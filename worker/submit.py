@@ -24,7 +24,7 @@ from arbiter.errors import ArbiterError
 from worker.events import ignored, normalize_etag
 from worker.fanout.job import SHARD_LINES_METADATA
 from worker.fanout.status import status_key
-from worker.jobs import output_keys
+from worker.outputs import output_keys
 from worker.s3io import get_json, gone
 from worker.settings import WorkerSettings
 

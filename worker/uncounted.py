@@ -28,7 +28,7 @@ import structlog
 from worker.events import Ignored, JobRef, Ref, UnreadableMessage, parse_message
 from worker.fanout.keys import JobFolder, job_folder
 from worker.faults import describe
-from worker.jobs import output_keys
+from worker.outputs import output_keys
 from worker.s3io import delete_prefix, delete_quietly, exists, put_json
 from worker.settings import WorkerSettings
 from worker.tries import Receive, Tries

@@ -48,7 +48,7 @@ from tests.faults.proxy import Call, FaultProxy
 from tests.worker.fanout_support import job_body, job_lines, pending
 from tests.worker.invariants import Job, single_path_records, violations
 from tests.worker.test_pool import Proc, worker_env
-from worker.jobs import output_keys
+from worker.outputs import output_keys
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
 

@@ -47,7 +47,7 @@ from tests.worker.fanout_support import pending
 from tests.worker.faultplan import PARTIAL, Plan
 from tests.worker.fleet import Fleet
 from tests.worker.invariants import Job, records_may_repeat, single_path_records, violations
-from worker.jobs import output_keys
+from worker.outputs import output_keys
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
 

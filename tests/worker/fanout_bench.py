@@ -31,7 +31,8 @@ from worker.events import JobRef
 from worker.fanout import merge, split
 from worker.fanout.keys import JobFolder
 from worker.fanout.outcome import Outcome
-from worker.jobs import Located, OutputKeys, locate
+from worker.jobs import Located, locate
+from worker.outputs import OutputKeys
 from worker.settings import WorkerSettings
 
 BUCKET = "fanbench"

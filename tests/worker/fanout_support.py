@@ -16,7 +16,8 @@ from tests.fakes import decision_line
 from tests.worker import support
 from worker.events import JobRef
 from worker.fanout.outcome import Outcome
-from worker.jobs import output_keys, run_job
+from worker.jobs import run_job
+from worker.outputs import output_keys
 from worker.queue import Consumer
 from worker.settings import WorkerSettings
 

@@ -15,7 +15,8 @@ from urllib.parse import unquote_plus
 from tests.aws import read_object, receive_all
 from tests.worker.fanout_support import pending, stripped
 from worker.formats import items_for
-from worker.jobs import JobFailed, output_keys, write_records
+from worker.jobs import JobFailed, write_records
+from worker.outputs import output_keys
 from worker.settings import WorkerSettings
 
 

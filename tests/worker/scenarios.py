@@ -13,7 +13,7 @@ from tests.faults.proxy import Call
 from tests.worker.fanout_support import fanout_settings, pending
 from tests.worker.fleet import Fleet
 from tests.worker.invariants import Job, records_may_repeat, single_path_records, violations
-from worker.jobs import output_keys
+from worker.outputs import output_keys
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
 

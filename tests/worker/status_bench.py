@@ -41,7 +41,7 @@ from worker.fanout import status
 from worker.fanout.keys import JobFolder
 from worker.fanout.outcome import Outcome
 from worker.fanout.plan import Manifest, ShardSpan
-from worker.jobs import OutputKeys
+from worker.outputs import OutputKeys
 
 BUCKET = "bench"
 STATUS = "results/job.status.json"

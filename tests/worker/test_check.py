@@ -11,7 +11,7 @@ from tests.fakes import FakeEngine
 from tests.worker.support import make_consumer, settings_for
 from worker.check import check_fanout, verify
 from worker.fanout.keys import job_folder
-from worker.jobs import output_keys
+from worker.outputs import output_keys
 from worker.stack import ensure_stack
 
 

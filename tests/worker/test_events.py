@@ -14,7 +14,7 @@ from arbiter.schema import DecisionRequest
 from tests.fakes import decision_line
 from worker.events import Ignored, JobRef, UnreadableMessage, parse_message
 from worker.formats import items_for
-from worker.jobs import output_keys
+from worker.outputs import output_keys
 from worker.policies import DrainDeadline, ExponentialBackoff
 from worker.settings import WorkerSettings
 from worker.tries import Receive, Tries

@@ -32,7 +32,7 @@ from worker.fanout.keys import job_folder
 from worker.fanout.merge import Merger
 from worker.fanout.messages import shard_body
 from worker.fanout.plan import read_manifest
-from worker.jobs import output_keys
+from worker.outputs import output_keys
 from worker.s3io import put_json, put_new
 from worker.tries import Tries
 

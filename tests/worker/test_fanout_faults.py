@@ -47,7 +47,7 @@ from tests.worker.scenarios import (
     versioned_stack as _stack,
 )
 from worker.events import parse_message
-from worker.jobs import output_keys
+from worker.outputs import output_keys
 from worker.submit import submit
 from worker.tries import Tries
 

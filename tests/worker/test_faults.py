@@ -22,7 +22,8 @@ from tests.aws import (
 from tests.fakes import FakeEngine, decision_line
 from tests.worker.support import make_consumer, sample, settings_for
 from worker.events import JobRef, UnreadableMessage, parse_message
-from worker.jobs import output_keys, run_job
+from worker.jobs import run_job
+from worker.outputs import output_keys
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
 

@@ -13,8 +13,9 @@ from tests.aws import aws_clients, list_keys, queue_counts, read_object, receive
 from tests.fakes import FakeEngine, decision_line
 from tests.worker.support import settings_for
 from worker.events import JobRef
-from worker.jobs import output_keys, run_job
+from worker.jobs import run_job
 from worker.metrics import WorkerMetrics
+from worker.outputs import output_keys
 from worker.queue import Consumer, describe_queue
 from worker.stack import ensure_stack
 

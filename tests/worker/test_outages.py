@@ -34,8 +34,9 @@ from worker.breaker import CircuitBreaker
 from worker.fanout.deadletters import RecordsInFlight
 from worker.fanout.status import Contended
 from worker.faults import Fault, QueueRefused, classify
-from worker.jobs import InputDenied, JobFailed, output_keys
+from worker.jobs import InputDenied, JobFailed
 from worker.metrics import WorkerMetrics
+from worker.outputs import output_keys
 from worker.s3io import WriteConflict
 
 

@@ -27,7 +27,7 @@ from tests.worker.scenarios import (
     versioned_stack,
 )
 from tests.worker.test_pool import WORK, Proc, spawn, stack_settings, worker_env
-from worker.jobs import output_keys
+from worker.outputs import output_keys
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
 from worker.uncounted import Uncounted

@@ -16,7 +16,7 @@ from worker.fanout import status
 from worker.fanout.keys import JobFolder
 from worker.fanout.outcome import Outcome
 from worker.fanout.plan import Manifest, ShardSpan
-from worker.jobs import OutputKeys
+from worker.outputs import OutputKeys
 from worker.s3io import PreconditionFailed
 
 

@@ -25,7 +25,7 @@ from tests.worker.scenarios import (
     rules,
     versioned_stack,
 )
-from worker.jobs import output_keys
+from worker.outputs import output_keys
 
 
 async def _as_aws_sends_it(s3: Any, sqs: Any, url: str) -> str:

@@ -40,7 +40,7 @@ import structlog
 
 from worker.events import PROTOCOL, ShardMessage
 from worker.faults import Busy
-from worker.jobs import OutputKeys
+from worker.outputs import OutputKeys
 from worker.s3io import PreconditionFailed, WriteConflict, get_json, put_json, put_new
 
 log = structlog.get_logger("arbiter.worker")

@@ -35,7 +35,8 @@ from worker.fanout.outcome import Outcome, read_all
 from worker.fanout.parts import S3_MIN_PART, MiB, Part, Piece, plan_upload
 from worker.fanout.plan import Manifest
 from worker.fanout.summary import ResultsTally, build_summary, outcomes_digest
-from worker.jobs import JobFailed, OutputKeys, raw_chunks
+from worker.jobs import JobFailed, raw_chunks
+from worker.outputs import OutputKeys
 from worker.s3io import abort_uploads, complete_upload, delete_prefix, exists, get_json, put_new
 from worker.settings import WorkerSettings
 

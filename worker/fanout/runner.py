@@ -31,7 +31,8 @@ from worker.fanout.outcome import Outcome, finished, publish, read_outcome
 from worker.fanout.plan import Manifest, ManifestCache, ShardSpan, read_manifest
 from worker.fanout.shard import ShardWork
 from worker.faults import classify, describe
-from worker.jobs import JobRejected, JobReport, OutputKeys, Runner, output_keys
+from worker.jobs import JobRejected, JobReport, Runner
+from worker.outputs import OutputKeys, output_keys
 from worker.s3io import exists
 from worker.settings import WorkerSettings
 from worker.tries import Tries

@@ -47,7 +47,7 @@ from worker.fanout.keys import JobFolder
 from worker.fanout.outcome import Outcome, finished
 from worker.fanout.plan import Manifest
 from worker.faults import Busy
-from worker.jobs import OutputKeys
+from worker.outputs import OutputKeys
 from worker.s3io import PreconditionFailed, WriteConflict, get_json, put_json, put_new
 
 log = structlog.get_logger("arbiter.worker")

@@ -23,7 +23,7 @@ from typing import Any
 
 from worker.fanout.outcome import Outcome
 from worker.fanout.plan import Manifest
-from worker.jobs import OutputKeys
+from worker.outputs import OutputKeys
 
 
 def prefix_reuse(manifest: Manifest, outcomes: list[Outcome]) -> dict[str, Any]:
