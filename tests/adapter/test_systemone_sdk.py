@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from typesafe_sdk import (
 )
 
 from tests.environ import environ_without
+from tests.ports import free_port
 
 API_KEY = "test-key-123"
 NO_RETRY = RetryPolicy(max_retries=0)
@@ -40,16 +40,10 @@ TICKET = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`arbiter serve` with the bundled model, an API key, and no queue (a second request is 503)."""
-    port = _free_port()
+    port = free_port()
     env = {
         **environ_without("ARBITER_", "SM_"),
         "ARBITER_MODEL_DIR": str(tmp_path_factory.mktemp("no-model-dir")),

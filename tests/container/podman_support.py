@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -42,13 +41,6 @@ def record(what: str, value: float | str, unit: str = "") -> None:
     if path:
         with open(path, "a") as out:
             out.write(json.dumps({"what": what, "value": value, "unit": unit}) + "\n")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def http(

@@ -15,11 +15,11 @@ from tests.container.podman_support import (
     STOP_GRACE_S,
     Container,
     RunContainer,
-    free_port,
     http,
     podman,
     record,
 )
+from tests.ports import free_port
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT = "gemma-3-270m-q4_k_m.gguf"

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 from tests.aws import aws_clients, list_keys, read_object, wait_for
-from tests.container.podman_support import STOP_GRACE_S, RunContainer, free_port, record
+from tests.container.podman_support import STOP_GRACE_S, RunContainer, record
 from tests.fakes import decision_line
+from tests.ports import free_port
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
 

@@ -170,14 +170,6 @@ def stand_in(port: int = 0, fake: StandIn | None = None) -> Iterator[tuple[Stand
         yield fake, url
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def proxy(moto: str, decide: Callable[[Any], str]) -> Iterator[str]:
     """The fault proxy (``tests.faults.proxy``) in front of moto, on a loop of its own: yields the

@@ -23,7 +23,6 @@ from tests.emulator.support import (
     BUCKET,
     container,
     exists,
-    free_port,
     front,
     make_bucket,
     notifications,
@@ -36,6 +35,7 @@ from tests.emulator.support import (
 )
 from tests.environ import environ_without
 from tests.fakes import decision_body
+from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
 

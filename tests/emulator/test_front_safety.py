@@ -20,7 +20,6 @@ from botocore.exceptions import ClientError, EventStreamError
 from tests import ROOT
 from tests.emulator.support import (
     BUCKET,
-    free_port,
     front,
     make_bucket,
     notifications,
@@ -31,6 +30,7 @@ from tests.emulator.support import (
     subscribe,
 )
 from tests.environ import environ_without
+from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,15 +17,10 @@ from tests import ROOT
 from tests.emulator.support import BUCKET, aws, exists, poll_object, runtime, stand_in
 from tests.environ import environ_without
 from tests.fakes import decision_body
-from tests.worker.local_stack import Local, free_block, local_env
+from tests.ports import free_block, free_port
+from tests.worker.local_stack import Local, local_env
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.real_model

@@ -3,7 +3,6 @@ line by line, stopped by a signal as a user's Ctrl-C would."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -27,29 +26,6 @@ def local_env(**extra: Any) -> dict[str, str]:
     )
     env.update({k: str(v) for k, v in extra.items()})
     return env
-
-
-def free_block(size: int = 4) -> int:
-    """A base port whose ``size`` ports are free now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + size > 65_000:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + size):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-        return base
-    raise AssertionError("no block of free ports")
 
 
 class Local:
@@ -91,9 +67,12 @@ class Local:
                 if found(line):
                     return line
             if self.popen.poll() is not None and not self._reader.is_alive():
+                said = f"exited with status {self.popen.returncode} before printing it"
                 break
             time.sleep(0.1)
-        raise AssertionError(f"not printed within {within_s} s:\n{self.text()}")
+        else:
+            said = f"not printed within {within_s} s"
+        raise AssertionError(f"{said}:\n{self.text()}")
 
     def close(self, timeout_s: float = 60) -> int:
         if self.popen.poll() is None:

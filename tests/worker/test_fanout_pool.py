@@ -13,8 +13,9 @@ from typing import Any
 
 from tests.aws import aws_clients, list_keys, read_object, wait_for
 from tests.fakes import FakeEngine, decision_line
+from tests.ports import free_port
 from tests.worker.fanout_support import outputs, pending, single_path, stripped, versions
-from tests.worker.test_pool import WORK, _free_port, _peak_rss_mb, _scrape, spawn, worker_env
+from tests.worker.test_pool import WORK, _peak_rss_mb, _scrape, spawn, worker_env
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
 
@@ -42,7 +43,7 @@ async def _finished(s3: Any, sqs: Any, url: str, summary: str) -> bool:
 
 
 async def test_three_worker_processes_share_a_job_of_eight_shards(endpoint: str, spawn) -> None:
-    port = _free_port()
+    port = free_port()
     settings = _settings(endpoint, shard_lines=25)
     async with aws_clients(endpoint) as (s3, sqs):
         stack = await _versioned_stack(s3, sqs, settings)

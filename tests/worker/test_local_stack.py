@@ -15,7 +15,8 @@ import pytest
 
 from arbiter.errors import ArbiterError
 from tests import ROOT
-from tests.worker.local_stack import Local, free_block, local_env
+from tests.ports import free_block
+from tests.worker.local_stack import Local, local_env
 from worker.local import _child_env, container_url
 from worker.local_ports import LocalSettings, plan
 

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from tests import ROOT
 from tests.aws import aws_clients, list_keys, queue_counts, read_object, receive_all, wait_for
 from tests.environ import environ_without
 from tests.fakes import decision_line
+from tests.ports import free_port
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
 
@@ -178,12 +178,6 @@ async def _empty(sqs: Any, url: str) -> bool:
     return await queue_counts(sqs, url) == (0, 0)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _scrape(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
@@ -196,7 +190,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 async def test_metrics_are_merged_from_two_worker_processes(endpoint: str, spawn) -> None:
-    port = _free_port()
+    port = free_port()
     async with aws_clients(endpoint) as (s3, sqs):
         await ensure_stack(s3, sqs, stack_settings(endpoint))
         env = worker_env(
