@@ -14,6 +14,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from tests.awaiting import where_they_wait
 from tests.aws import CREDS
 from tests.fakes import FakeEngine
 from tests.faults.proxy import Call, FaultProxy
@@ -176,5 +177,8 @@ class Fleet:
         deadline = asyncio.get_running_loop().time() + within_s
         while not (await done() and self.idle() and await done()):
             if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"not done within {within_s} s")
+                waiting = where_they_wait(asyncio.all_tasks() - {asyncio.current_task()})
+                raise AssertionError(
+                    f"not done within {within_s} s; the workers wait at:\n{waiting}"
+                )
             await asyncio.sleep(interval)
