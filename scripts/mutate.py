@@ -434,9 +434,9 @@ MUTATIONS = (
     ),
     Mutation(
         "async-unwritten-answer-fails-visibly",
-        "emulator/async_workers.py",
-        "            if status < 400:\n                return await self._failed(",
-        '            if status < 400:\n                return Outcome("Failed", None) or await self._failed(',
+        "emulator/async_answer.py",
+        "            if status < 400:\n                return await self.failed(",
+        '            if status < 400:\n                return Outcome("Failed", None) or await self.failed(',
         (
             "tests/emulator/test_async_durable.py::"
             "test_an_answer_that_cannot_be_written_becomes_a_failure_object",
@@ -485,7 +485,7 @@ MUTATIONS = (
     ),
     Mutation(
         "async-input-confined",
-        "emulator/async_workers.py",
+        "emulator/async_answer.py",
         "        if not str(source).startswith(self.readable):",
         "        if False:",
         (
@@ -1405,7 +1405,7 @@ MUTATIONS = (
     ),
     Mutation(
         "async-busy-is-not-an-answer",
-        "emulator/async_workers.py",
+        "emulator/async_answer.py",
         '                head = await _busy_check(reply) if status == 503 else b""',
         '                head = b""',
         (
@@ -1476,7 +1476,7 @@ MUTATIONS = (
     ),
     Mutation(
         "async-input-limit-enforced",
-        "emulator/async_workers.py",
+        "emulator/async_answer.py",
         "        if size > most:  # documented, and now enforced: before, 1.1 GB was answered",
         "        if False:",
         (
