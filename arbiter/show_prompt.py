@@ -37,7 +37,7 @@ def preparer_for(view: Prompts, n_ctx: int) -> Preparer:
     from arbiter.engine.preparing import Preparer
 
     head, tail = view.fewest_around()
-    floor = CostFloor(n_ctx, view.llama.max_piece_bytes(), head, tail)
+    floor = CostFloor(n_ctx, view.llama.vocab.max_piece_bytes(), head, tail)
     return Preparer(view, view.labels, floor)
 
 

@@ -169,7 +169,7 @@ def _full_mask_ms(engine: Engine, grammar_text: str, prompt: Any, repeats: int) 
     """One whole-vocabulary grammar mask on the prompt's real row of logits, median of runs."""
     with engine.session() as llama:
         row = llama.last_logits(prompt, 0)
-        with llama.vocabulary() as vocab:
+        with llama.vocab.vocabulary() as vocab:
             grammar = Grammar(vocab, grammar_text)
         try:
             candidates = Candidates(llama.n_vocab)

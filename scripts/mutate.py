@@ -236,7 +236,7 @@ MUTATIONS = (
     ),
     Mutation(
         "surrogate-tokenizer",
-        "arbiter/engine/llama.py",
+        "arbiter/engine/vocabulary.py",
         '            data = text.encode("utf-8")\n        except UnicodeEncodeError as exc:',
         '            data = text.encode("utf-8")\n        except ZeroDivisionError as exc:',
         (FAULTS + "test_a_lone_surrogate_fails_only_its_own_decision",),
@@ -850,8 +850,8 @@ MUTATIONS = (
     Mutation(
         "labels-as-the-model-writes-them",
         "arbiter/engine/labels.py",
-        "            lambda text: llama.continued(text, special=False).tolist(),",
-        "            lambda text: llama.tokenize(text, special=False).tolist(),",
+        "            lambda text: llama.vocab.continued(text, special=False).tolist(),",
+        "            lambda text: llama.vocab.tokenize(text, special=False).tolist(),",
         (
             "tests/arbiter/test_vocabularies.py::"
             "test_every_vocabulary_whose_letters_exist_loads_its_labels",
@@ -860,8 +860,8 @@ MUTATIONS = (
     Mutation(
         "pieces-without-a-spurious-prefix",
         "arbiter/engine/prompting.py",
-        "        return self.llama.tokenize(text, special=False, after=int(head[-1]) if len(head) else None)",
-        "        return self.llama.tokenize(text, special=False)",
+        "            text, special=False, after=int(head[-1]) if len(head) else None\n        )",
+        "            text, special=False\n        )",
         (
             "tests/arbiter/test_vocabularies.py::"
             "test_arbiter_prompt_on_a_sentencepiece_vocabulary_tokenizes_as_the_whole_string",

@@ -33,6 +33,7 @@ HTTP_AND_AWS = ("aiohttp", "aiobotocore", "botocore", "boto3", "moto", "promethe
 # The engine's llama modules (the docstring's two, and the sampler chain and grammar modules).
 LLAMA_MODULES = {
     Path("arbiter/engine/llama.py"),
+    Path("arbiter/engine/vocabulary.py"),  # the model's vocabulary: tokenize, token pieces
     Path("arbiter/engine/batch.py"),  # one llama_decode call's batch struct, filled from numpy
     Path("arbiter/engine/backends.py"),
     Path("arbiter/engine/sampler.py"),  # the sampler chain and grammars (llama_sampler_*)

@@ -111,8 +111,8 @@ class Engine:
         self.llama = Llama(self.resolved.path, settings)
         try:
             llama = self.llama
-            self.bos_text = llama.piece_text(llama.bos)  # "" for a model without one
-            self.eos_text = llama.piece_text(llama.eos)
+            self.bos_text = llama.vocab.piece_text(llama.vocab.bos)  # "" for a model without one
+            self.eos_text = llama.vocab.piece_text(llama.vocab.eos)
             self.chat_template = llama.chat_template
             self.prompts = open_prompts(llama, settings, self.profile)
             self.labels = self.prompts.labels
@@ -121,7 +121,7 @@ class Engine:
             head_tokens, tail_tokens = self.prompts.fewest_around()
             self.cost = CostFloor(
                 n_ctx=llama.n_ctx,
-                max_piece=llama.max_piece_bytes(),
+                max_piece=llama.vocab.max_piece_bytes(),
                 head_tokens=head_tokens,
                 tail_tokens=tail_tokens,
             )
@@ -245,14 +245,14 @@ class Engine:
 
     def tokenize_content(self, text: str) -> np.ndarray:
         """Tokens of caller-written text: special-token text stays plain text."""
-        return self.llama.tokenize(text, special=False)
+        return self.llama.vocab.tokenize(text, special=False)
 
     def piece(self, token: int) -> str:
         """The text of one token ("" for an id outside the vocabulary, e.g. a missing BOS)."""
-        return self.llama.piece_text(token)
+        return self.llama.vocab.piece_text(token)
 
     def is_control(self, token: int) -> bool:
-        return self.llama.is_control(token)
+        return self.llama.vocab.is_control(token)
 
     def prompt_tokens(self, request: DecisionRequest) -> np.ndarray:
         """The full prompt of one decision, as scored."""
@@ -266,7 +266,7 @@ class Engine:
 
         Template text is tokenized with special-token parsing; caller text without it, so a
         message can never inject a control token. Each piece after the first is tokenized where
-        it follows the one before (``Llama.tokenize``'s ``after``: no space prefix of its own).
+        it follows the one before (``Vocabulary.tokenize``'s ``after``: no space prefix of its own).
         BOS is added if the model wants one and the template did not write it.
         """
         llama = self.llama
@@ -274,11 +274,11 @@ class Engine:
         after: int | None = None
         for text, special in segments:
             if text:
-                parts.append(llama.tokenize(text, special=special, after=after))
+                parts.append(llama.vocab.tokenize(text, special=special, after=after))
                 after = int(parts[-1][-1]) if len(parts[-1]) else after
         tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-        if llama.add_bos and (len(tokens) == 0 or tokens[0] != llama.bos):
-            tokens = np.concatenate([np.array([llama.bos], dtype=np.int32), tokens])
+        if llama.vocab.add_bos and (len(tokens) == 0 or tokens[0] != llama.vocab.bos):
+            tokens = np.concatenate([np.array([llama.vocab.bos], dtype=np.int32), tokens])
         return tokens.astype(np.int32)
 
     # -- decisions ---------------------------------------------------------------------------------
@@ -397,7 +397,7 @@ class Engine:
                 budget.start()
             grammar = None
             if sampling.grammar is not None:
-                with llama.vocabulary() as vocab:
+                with llama.vocab.vocabulary() as vocab:
                     grammar = Grammar(vocab, sampling.grammar)
             try:
                 return generate(llama, tokens, request, grammar, on_delta)
@@ -409,7 +409,7 @@ class Engine:
         """Raise ``InvalidGrammar`` (naming ``param``) for a GBNF grammar llama.cpp cannot use;
         callers check before a response starts, so a bad grammar is a 4xx, never a broken
         stream. Needs the vocabulary only: runs outside the engine lock."""
-        with self.llama.vocabulary() as vocab:
+        with self.llama.vocab.vocabulary() as vocab:
             Grammar(vocab, text, param=param).close()
 
 

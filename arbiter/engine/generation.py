@@ -127,12 +127,12 @@ def _step(
 ) -> None:
     """Sample the choice's next token from its row, and append its text (or finish it)."""
     token = choice.sampler.sample(logits)
-    if llama.is_end_of_generation(token):
+    if llama.vocab.is_end_of_generation(token):
         choice.finish = "stop"
         return
     choice.produced += 1
     choice.last = token
-    piece = llama.piece_bytes(token)
+    piece = llama.vocab.piece_bytes(token)
     start = len(choice.text)
     choice.text += choice.decoder.decode(piece)
     if request.top_logprobs is not None:
@@ -156,7 +156,7 @@ def _step(
 def _piece(llama: Llama, pieces: dict[int, bytes], token: int) -> bytes:
     found = pieces.get(token)
     if found is None:
-        found = pieces[token] = llama.piece_bytes(token, special=True)
+        found = pieces[token] = llama.vocab.piece_bytes(token, special=True)
     return found
 
 

@@ -3,7 +3,7 @@
 Up to 26 options are labelled ``A``, ``B``, ... (``prompt.LETTERS``). At load, each letter must be one
 token that round-trips through the vocabulary, in each spelling kept (``A`` and `` A``: the model may
 predict either); a spelling is kept only if all 26 letters pass and stay distinct. Labels are
-tokenized as the model writes them after the prompt's text (``Llama.continued``): under a
+tokenized as the model writes them after the prompt's text (``Vocabulary.continued``): under a
 SentencePiece space prefix (Llama 2, Mistral v0.1-v0.3, Phi-3, Baichuan) ``A`` alone is ``▁A`` and
 `` A`` is ``▁``, ``▁A``, which refused every such model at load (issue 35). An option's logit is
 the log-sum-exp of its letter's kept spellings, the same way for every option.
@@ -291,8 +291,8 @@ class Labels:
         return cls.from_vocabulary(
             # As the model writes a label after the prompt's text: under a space prefix
             # (SentencePiece), "A" alone is "▁A" and " A" is "▁", "▁A" (issue 35).
-            lambda text: llama.continued(text, special=False).tolist(),
-            lambda token: llama.piece_bytes(token, special=True),
+            lambda text: llama.vocab.continued(text, special=False).tolist(),
+            lambda token: llama.vocab.piece_bytes(token, special=True),
             llama.path.name,
             label_set,
         )

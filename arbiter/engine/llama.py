@@ -20,7 +20,8 @@ import numpy as np
 
 from arbiter.engine import backends
 from arbiter.engine.batch import NumpyBatch
-from arbiter.errors import EngineFailure, InvalidDecision, ModelLoadError
+from arbiter.engine.vocabulary import Vocabulary
+from arbiter.errors import EngineFailure, ModelLoadError
 from arbiter.gguf_info import FILE_TYPES
 from arbiter.settings import EngineSettings
 
@@ -29,20 +30,6 @@ LLAMA_CPP_PYTHON_VERSION: str = getattr(llama_cpp, "__version__", "unknown")
 LLAMA_CPP_BUILD = {"0.3.36": "ggml-org/llama.cpp@0c1e57098"}.get(
     LLAMA_CPP_PYTHON_VERSION, "unknown"
 )
-
-# SentencePiece and byte-level BPE: every input byte ends up in some token's piece (no normalizer
-# drops or folds characters), so a token never covers more input bytes than its piece holds.
-_BYTE_PRESERVING = {1, 2}  # LLAMA_VOCAB_TYPE_SPM, LLAMA_VOCAB_TYPE_BPE
-# Tokens after which llama.cpp writes a SentencePiece vocabulary's space prefix again (its special
-# tokens cache: control, user-defined and unknown tokens).
-_OPENS_TEXT = (
-    llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
-    | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
-    | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
-)
-# Put before a piece that continues a prompt and taken off again (``Llama.tokenize``): the first
-# whose own tokens end where the piece's begin.
-_LEADS = ("\n", "\u0001", "~")
 
 # Called with (position in the decoded stream, index in its slice) for each position whose logits
 # were asked for, right after the slice that computed them, while they are readable.
@@ -97,23 +84,11 @@ class Llama:
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}")
-        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
-        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-
-        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
-        self.bos = int(llama_cpp.llama_vocab_bos(self._vocab))
-        self.eos = int(llama_cpp.llama_vocab_eos(self._vocab))
-        if self.add_bos and not 0 <= self.bos < self.n_vocab:
-            raise ModelLoadError(
-                f"{self.path.name}: the vocabulary asks for a BOS token but has none "
-                f"(token id {self.bos}); refusing to start"
-            )
+        handle = llama_cpp.llama_model_get_vocab(self._model)
+        self.vocab = Vocabulary(handle, self.path, self._tok_lock)
+        self.n_vocab = self.vocab.n_vocab
         template = llama_cpp.llama_model_chat_template(self._model, None)
         self.chat_template: str | None = template.decode("utf-8") if template else None
-        # SentencePiece's add_space_prefix (Llama 2, Mistral v0.1-v0.3, Phi-3, Baichuan, Yi):
-        # "A" is "▁A", written at the start of each text llama.cpp tokenizes.
-        first = self._tokens("a", special=False)
-        self.space_prefix = b"".join(self.piece_bytes(int(t)) for t in first).startswith(b" ")
 
     def open_context(
         self, s: EngineSettings, sequences: int, shape: ContextShape | None = None
@@ -184,6 +159,8 @@ class Llama:
         whatever lock serializes decoding."""
         with self._tok_lock:
             self._closed = True
+            if (vocab := self.__dict__.get("vocab")) is not None:  # none if the load failed
+                vocab.closed = True
             if self._ctx:
                 llama_cpp.llama_free(self._ctx)
                 self._ctx = None
@@ -221,123 +198,6 @@ class Llama:
         k = int(self.meta(f"{arch}.attention.key_length") or n_embd // n_head)
         v = int(self.meta(f"{arch}.attention.value_length") or n_embd // n_head)
         return n_layer * self.n_ctx * n_head_kv * (k + v) * 2
-
-    # -- tokens ------------------------------------------------------------------------------------
-
-    def tokenize(self, text: str, *, special: bool, after: int | None = None) -> np.ndarray:
-        """Tokens of ``text``, in a buffer of this call's own; ``after``: the token it follows in
-        a prompt (None: it starts one).
-
-        A vocabulary with a space prefix gets it where llama.cpp writes it in a whole prompt: at
-        the start and after a special token, never where a piece continues text (tokenized apart,
-        each piece had its own ``▁``: 23 tokens for a prompt of 22). ``llama_tokenize`` releases
-        the GIL: a buffer shared between calls let a concurrent tokenization (chat prompts are
-        tokenized outside the engine lock) overwrite another's tokens, and a decision was scored
-        on the wrong prompt.
-        """
-        if after is None or self.opens_text(after):
-            return self._tokens(text, special)
-        return self.continued(text, special=special)
-
-    def continued(self, text: str, *, special: bool) -> np.ndarray:
-        """Tokens of ``text`` where it continues a prompt's text (no space prefix of its own):
-        what the model reads, and writes, after other text."""
-        if not self.space_prefix:
-            return self._tokens(text, special)
-        for lead in _LEADS:
-            own = self._tokens(lead, False)
-            both = self._tokens(lead + text, special)
-            if np.array_equal(both[: len(own)], own):
-                return both[len(own) :]
-        return self._tokens(text, special)
-
-    def opens_text(self, token: int) -> bool:
-        """Whether llama.cpp starts a new text after ``token`` (a special token: the space
-        prefix is written again after it)."""
-        if not 0 <= token < self.n_vocab:
-            return True
-        with self._tok_lock:
-            self.check_open()
-            return bool(llama_cpp.llama_vocab_get_attr(self._vocab, token) & _OPENS_TEXT)
-
-    def _tokens(self, text: str, special: bool) -> np.ndarray:
-        try:
-            data = text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidDecision(
-                f"the text is not valid Unicode ({exc.reason} at character {exc.start})",
-                code="invalid_text",
-            ) from exc
-        # A token covers at least one byte; the margin covers a leading-space marker.
-        buf = np.empty(len(data) + 16, dtype=np.int32)
-        with self._tok_lock:
-            self.check_open()
-            n = self._tokenize_into(data, buf, special)
-            if n < 0:
-                buf = np.empty(-n, dtype=np.int32)
-                n = self._tokenize_into(data, buf, special)
-        if n < 0:
-            raise EngineFailure(f"llama_tokenize failed with status {n}")
-        return buf[:n].copy()
-
-    def _tokenize_into(self, data: bytes, buf: np.ndarray, special: bool) -> int:
-        out = buf.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token))
-        return int(
-            llama_cpp.llama_tokenize(self._vocab, data, len(data), out, len(buf), False, special)
-        )
-
-    def max_piece_bytes(self) -> int:
-        """The most bytes one token of caller text can cover (``engine.cost``); 0 for a
-        tokenizer that normalizes text (it may drop bytes, so no floor holds)."""
-        if int(llama_cpp.llama_vocab_type(self._vocab)) not in _BYTE_PRESERVING:
-            return 0
-        longest = 0
-        buf = ctypes.create_string_buffer(256)
-        with self._tok_lock:
-            self.check_open()
-            for token in range(self.n_vocab):
-                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
-                longest = max(longest, n if n >= 0 else -n)  # -n: the length it would need
-        return longest
-
-    def piece_bytes(self, token: int, *, special: bool = False) -> bytes:
-        """The raw bytes of a token (without ``special``, control tokens render as nothing).
-
-        llama.cpp indexes its token table unchecked (``std::out_of_range`` across ctypes aborts
-        the process), so an id outside ``[0, n_vocab)`` is "" here and never reaches it.
-        """
-        if not 0 <= token < self.n_vocab:
-            return b""
-        with self._tok_lock:
-            self.check_open()
-            buf = ctypes.create_string_buffer(64)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-        return buf.raw[: max(n, 0)]
-
-    def piece_text(self, token: int) -> str:
-        """The text of one token, control tokens included ("" for an id outside the vocabulary,
-        e.g. a missing BOS)."""
-        return self.piece_bytes(token, special=True).decode("utf-8", "replace")
-
-    def is_control(self, token: int) -> bool:
-        if not 0 <= token < self.n_vocab:
-            return False
-        with self._tok_lock:
-            self.check_open()
-            return bool(llama_cpp.llama_vocab_is_control(self._vocab, token))
-
-    def is_end_of_generation(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
-
-    @contextmanager
-    def vocabulary(self) -> Iterator[Any]:
-        """The vocabulary's handle, for the sampler module; :meth:`close` waits for the block."""
-        with self._tok_lock:
-            self.check_open()
-            yield self._vocab
 
     # -- the KV cache ------------------------------------------------------------------------------
 

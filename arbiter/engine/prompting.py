@@ -51,13 +51,13 @@ class Prompts:
         self._around: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._tail_after_special: dict[int, np.ndarray] = {}
         for layout in (layouts.letters, layouts.codes):
-            head = llama.tokenize(layout.head, special=True)
-            if llama.add_bos and (len(head) == 0 or head[0] != llama.bos):
-                head = np.concatenate([np.array([llama.bos], dtype=np.int32), head])
+            head = llama.vocab.tokenize(layout.head, special=True)
+            if llama.vocab.add_bos and (len(head) == 0 or head[0] != llama.vocab.bos):
+                head = np.concatenate([np.array([llama.vocab.bos], dtype=np.int32), head])
             # The tail follows the caller's text (a space prefix is not written again there).
-            tail = llama.continued(layout.tail, special=True)
+            tail = llama.vocab.continued(layout.tail, special=True)
             self._around[id(layout)] = (head, tail)
-            self._tail_after_special[id(layout)] = llama.tokenize(layout.tail, special=True)
+            self._tail_after_special[id(layout)] = llama.vocab.tokenize(layout.tail, special=True)
 
     @property
     def layout(self) -> prompts.PromptLayout:
@@ -70,7 +70,9 @@ class Prompts:
 
     def content(self, text: str, head: np.ndarray) -> np.ndarray:
         """The caller's part, tokenized without special-token parsing where it follows ``head``."""
-        return self.llama.tokenize(text, special=False, after=int(head[-1]) if len(head) else None)
+        return self.llama.vocab.tokenize(
+            text, special=False, after=int(head[-1]) if len(head) else None
+        )
 
     def render(self, request: DecisionRequest) -> prompts.RenderedContent:
         n_options = len(request.options)
@@ -94,7 +96,7 @@ class Prompts:
         start and after special tokens), with the caller's part never parsed for them."""
         head, tail = self._around[id(rendered.layout)]
         content = self.content(rendered.text, head)
-        if len(content) and self.llama.opens_text(int(content[-1])):
+        if len(content) and self.llama.vocab.opens_text(int(content[-1])):
             tail = self._tail_after_special[id(rendered.layout)]
         return np.concatenate([head, content, tail])
 
@@ -186,8 +188,8 @@ def open_prompts(llama: Llama, settings: EngineSettings, profile: Profile) -> Pr
         try:
             layouts = prompts.chat_layouts(
                 template,
-                llama.piece_text(llama.bos),
-                llama.piece_text(llama.eos),
+                llama.vocab.piece_text(llama.vocab.bos),
+                llama.vocab.piece_text(llama.vocab.eos),
                 prompts.prompt_time(settings.prompt_date),
                 profile,
             )

@@ -71,7 +71,7 @@ def _kv_empty(engine: Engine) -> bool:
 
 
 def test_the_longest_piece_is_measured_over_the_whole_vocabulary(engine: Engine) -> None:
-    pieces = [engine.llama.piece_bytes(t, special=True) for t in range(engine.n_vocab)]
+    pieces = [engine.llama.vocab.piece_bytes(t, special=True) for t in range(engine.n_vocab)]
     assert engine.cost.max_piece == max(len(p) for p in pieces) > 1
 
 
@@ -98,13 +98,13 @@ def test_a_5_mb_state_is_refused_from_its_bytes_without_tokenizing(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tokenized: list[int] = []
-    tokenize = engine.llama.tokenize
+    tokenize = engine.llama.vocab.tokenize
 
     def spy(text: str, *, special: bool, after: int | None = None) -> np.ndarray:
         tokenized.append(len(text))
         return tokenize(text, special=special, after=after)
 
-    monkeypatch.setattr(engine.llama, "tokenize", spy)
+    monkeypatch.setattr(engine.llama.vocab, "tokenize", spy)
     huge = decision("huge", "The printer is on fire. " * (5 * MB // 24))
     outcomes = engine.score([huge, decision("ok")])
     error = outcomes[0]
@@ -121,13 +121,13 @@ def test_a_too_long_prompt_is_tokenized_once_and_names_its_largest_part(
     """Over the context, yet under the floor: the diagnosis reuses the count (it used to tokenize
     every field again, under the engine lock)."""
     calls: list[int] = []
-    tokenize = small.llama.tokenize
+    tokenize = small.llama.vocab.tokenize
 
     def spy(text: str, *, special: bool, after: int | None = None) -> np.ndarray:
         calls.append(len(text))
         return tokenize(text, special=special, after=after)
 
-    monkeypatch.setattr(small.llama, "tokenize", spy)
+    monkeypatch.setattr(small.llama.vocab, "tokenize", spy)
     long_state = decision("long", "word " * 400)
     error = small.score([long_state])[0]
     assert isinstance(error, ContextLengthExceeded) and error.param == "state"
@@ -332,13 +332,13 @@ def test_tokenizing_stops_once_a_request_is_over_its_budget(
     requests = _independent(40, words=300)
     one = len(engine.prompt_tokens(requests[0]))
     tokenized: list[int] = []
-    tokenize = engine.llama.tokenize
+    tokenize = engine.llama.vocab.tokenize
 
     def spy(text: str, *, special: bool, after: int | None = None) -> np.ndarray:
         tokenized.append(1)
         return tokenize(text, special=special, after=after)
 
-    monkeypatch.setattr(engine.llama, "tokenize", spy)
+    monkeypatch.setattr(engine.llama.vocab, "tokenize", spy)
     with pytest.raises(TokenBudgetExceeded, match="at least"):
         engine.score(requests, Budget(max_tokens=3 * one))
     assert len(tokenized) <= 2 * 5  # four decisions (prompt and state prefix each), not forty

@@ -341,7 +341,7 @@ def test_user_text_cannot_inject_control_tokens(which: str, request: pytest.Fixt
     # The special-token text really is a control token when parsed as template text.
     assert any(
         eng.is_control(int(t))
-        for t in eng.llama.tokenize(INJECTIONS["chatml"] + INJECTIONS["gemma"], special=True)
+        for t in eng.llama.vocab.tokenize(INJECTIONS["chatml"] + INJECTIONS["gemma"], special=True)
     )
     assert _ok(eng.score([hostile])[0]).choice in {"a", "b"}
 
@@ -385,7 +385,7 @@ def test_a_name_or_template_keyword_cannot_inject_control_tokens(
     expected = _control_tokens(chat_engine, tokens("bob" if name else None, **benign))
     hostile = tokens(name, **kwargs)
     assert _control_tokens(chat_engine, hostile) == expected
-    written = b"".join(chat_engine.llama.piece_bytes(int(t), special=True) for t in hostile)
+    written = b"".join(chat_engine.llama.vocab.piece_bytes(int(t), special=True) for t in hostile)
     assert HOSTILE_VALUE in written.decode("utf-8")  # placed, as text
 
 
@@ -404,5 +404,5 @@ def test_segment_tokenization_matches_whole_text_for_benign_content(chat_engine:
     """Tokenizing the template and the caller's content apart costs nothing on normal input."""
     for eng in (chat_engine,):
         request = decision(state={"a": 1, "b": "text"})
-        whole = eng.llama.tokenize(eng.render_text(request), special=True)
+        whole = eng.llama.vocab.tokenize(eng.render_text(request), special=True)
         assert np.array_equal(whole, eng.prompt_tokens(request))

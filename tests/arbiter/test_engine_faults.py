@@ -122,7 +122,7 @@ def test_concurrent_chat_tokenization_and_scoring_match_a_serial_run(engine: Eng
 
 def test_a_lone_surrogate_fails_only_its_own_decision(engine: Engine) -> None:
     """Past the schema (its own layer, tests/arbiter/test_schema.py), the tokenizer refuses text
-    UTF-8 cannot hold, saying where (``Llama.tokenize``)."""
+    UTF-8 cannot hold, saying where (``Vocabulary.tokenize``)."""
     bad = _unchecked(id="bad", question="Which queue? \ud800")
     outcomes = engine.score([decision("ok1"), bad, decision("ok2")])
     assert isinstance(outcomes[1], InvalidDecision) and outcomes[1].code == "invalid_text"

@@ -139,7 +139,10 @@ def printed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict
             content = view.render(view_request(DECISION)).text
             # The spaces the template wrote before the content travel with it (split_spaces).
             record["content"] = content.lstrip(" ")
-            record["bos"], record["eos"] = llama.piece_text(llama.bos), llama.piece_text(llama.eos)
+            record["bos"], record["eos"] = (
+                llama.vocab.piece_text(llama.vocab.bos),
+                llama.vocab.piece_text(llama.vocab.eos),
+            )
             self[name] = record
             return record
 

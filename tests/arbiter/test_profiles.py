@@ -102,7 +102,7 @@ def test_a_profile_sets_the_instruction_layout_labels_and_cue(yes_no_engine: Eng
     assert sum(result.probabilities) == pytest.approx(1.0)
     # The option logits are the labels' own tokens at the last position (" yes" and "yes").
     llama, labels = yes_no_engine.llama, yes_no_engine.labels
-    assert [llama.piece_text(int(t)).strip() for t in labels.token_ids[:, 0]] == ["yes", "no"]
+    assert [llama.vocab.piece_text(int(t)).strip() for t in labels.token_ids[:, 0]] == ["yes", "no"]
     tokens = yes_no_engine.prompt_tokens(URGENT)
     prefix = result.prompt.prefix_tokens
     with yes_no_engine.session():

@@ -176,7 +176,7 @@ def test_a_familys_decision_prompt_is_its_reference_rendering_byte_for_byte(
     try:
         content = decision_prompts.render(DECISION).text
         text = decision_prompts.text(DECISION)
-        bos, eos = llama.piece_text(llama.bos), llama.piece_text(llama.eos)
+        bos, eos = llama.vocab.piece_text(llama.vocab.bos), llama.vocab.piece_text(llama.vocab.eos)
     finally:
         llama.close()
     _, ending, closed_here = FAMILIES[name]
@@ -282,9 +282,9 @@ def _mass_by_hand(engine: Engine, text: str, content: str, prefix: int, n: int) 
     llama = engine.llama
     tokens = np.concatenate(
         [
-            llama.tokenize(head, special=True),
-            llama.tokenize(content, special=False),
-            llama.tokenize(tail, special=True),
+            llama.vocab.tokenize(head, special=True),
+            llama.vocab.tokenize(content, special=False),
+            llama.vocab.tokenize(tail, special=True),
         ]
     )
     with engine.session():

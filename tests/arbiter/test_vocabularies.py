@@ -58,7 +58,7 @@ def test_every_vocabulary_whose_letters_exist_loads_its_labels(
 ) -> None:
     llama = _load(vocabularies[name])
     try:
-        pieces = {llama.piece_bytes(t) for t in range(llama.n_vocab)}
+        pieces = {llama.vocab.piece_bytes(t) for t in range(llama.n_vocab)}
         exist = all({letter.encode(), f" {letter}".encode()} & pieces for letter in LETTERS)
         assert exist == (name not in NO_LETTERS)
         if not exist:
@@ -69,9 +69,11 @@ def test_every_vocabulary_whose_letters_exist_loads_its_labels(
         assert labels.max_letters == 26 and labels.codes is not None
         spellings = ("", " ") if labels.token_ids.shape[1] == 2 else (None,)
         if name in SENTENCEPIECE:
-            assert llama.space_prefix and labels.token_ids.shape[1] == 2  # "A" and "▁A" both kept
+            assert (
+                llama.vocab.space_prefix and labels.token_ids.shape[1] == 2
+            )  # "A" and "▁A" both kept
         for row, letter in zip(labels.token_ids, LETTERS, strict=True):
-            texts = [llama.piece_bytes(int(t)).decode() for t in row]
+            texts = [llama.vocab.piece_bytes(int(t)).decode() for t in row]
             if spellings != (None,):
                 assert texts == [lead + letter for lead in spellings]
             else:
@@ -106,10 +108,10 @@ def test_arbiter_prompt_on_a_sentencepiece_vocabulary_tokenizes_as_the_whole_str
     (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     llama = _load(path)
     try:
-        assert llama.space_prefix and llama.chat_template
-        whole = llama.tokenize(record["text"], special=True)
-        if llama.add_bos and whole[0] != llama.bos:
-            whole = np.concatenate([[llama.bos], whole])
+        assert llama.vocab.space_prefix and llama.chat_template
+        whole = llama.vocab.tokenize(record["text"], special=True)
+        if llama.vocab.add_bos and whole[0] != llama.vocab.bos:
+            whole = np.concatenate([[llama.vocab.bos], whole])
         view = open_prompts(llama, EngineSettings(model=path), load_profile(None))
         request = decision("d1", state={"ticket": "TCK-4410"})
         assert view.text(request) == record["text"]
@@ -141,11 +143,11 @@ def test_a_sentencepiece_model_scores_letters_and_codes_on_its_own_tokens(
     letters and the codes load, every prompt is the whole string's tokens, and the readout
     gives finite probabilities that sum to one."""
     eng = spm_engine
-    assert eng.llama.space_prefix and eng.labels.token_ids.shape[1] == 2
+    assert eng.llama.vocab.space_prefix and eng.labels.token_ids.shape[1] == 2
     few = decision("few")
     many = decision("many", options=[(f"o{i}", f"Option {i}") for i in range(30)])
     for request in (few, many):
-        whole = eng.llama.tokenize(eng.render_text(request), special=True)
+        whole = eng.llama.vocab.tokenize(eng.render_text(request), special=True)
         assert eng.prompt_tokens(request).tolist() == whole.tolist()  # the template writes <s>
     for outcome, n in zip(eng.score([few, many]), (len(few.options), 30), strict=True):
         assert isinstance(outcome, DecisionResult), outcome
@@ -166,5 +168,5 @@ def test_chat_segments_tokenize_as_the_whole_string_on_a_sentencepiece_model(
         ("user", "Why?"),
     ]
     segments = render_chat(messages, spm_engine.chat_template, "<s>", "</s>")
-    whole = spm_engine.llama.tokenize("".join(text for text, _ in segments), special=True)
+    whole = spm_engine.llama.vocab.tokenize("".join(text for text, _ in segments), special=True)
     assert spm_engine.encode_segments(segments).tolist() == whole.tolist()
