@@ -7,7 +7,8 @@ branches, gives the second factor of each code's probability (``labels``).
 ``Engine`` is the facade every entry point uses: it owns the model's lifetime and the lock that
 serializes every use of the context. The work is done by one module per concern:
 
-- ``llama``: every ctypes call (load, tokenize, decode, KV cache, save and restore);
+- ``llama``: the model and its context through the C API (load, decode, KV cache, save and
+  restore), ``vocabulary``: its tokens (tokenize, token pieces);
 - ``preparing``: decisions checked (from bytes first, ``cost``) and tokenized, grouped by state;
 - ``scoring``: the shared prefix, branches, readout, results; ``budget``: what a request may
   spend, and the cancellation of work nobody waits for;
@@ -33,7 +34,7 @@ import numpy as np
 from arbiter import prompt as prompts
 from arbiter.engine import multilabel, ordering, read_check, rotation
 from arbiter.engine.budget import Budget
-from arbiter.engine.calibration import Calibration, describe, shipped
+from arbiter.engine.calibration import Calibration, describe, load_calibration
 from arbiter.engine.cost import CostFloor
 from arbiter.engine.finishing import Finisher
 from arbiter.engine.generation import GenerationRequest, generate
@@ -45,7 +46,7 @@ from arbiter.engine.rotation import DEFAULT_MARGIN, ReadPolicy
 from arbiter.engine.sampler import Grammar
 from arbiter.engine.sampling import Choice, Generation, OnDelta, SamplingParams, TokenLogprob
 from arbiter.engine.scoring import Scoring, context_sequences
-from arbiter.errors import ContextLengthExceeded, InvalidDecision, ModelLoadError
+from arbiter.errors import ContextLengthExceeded, InvalidDecision
 from arbiter.logging import get_logger
 from arbiter.lora import resolve_adapters, weights_id
 from arbiter.models import BUNDLED_NOTICE, ResolvedModel, resolve_model, verify
@@ -411,31 +412,6 @@ class Engine:
         stream. Needs the vocabulary only: runs outside the engine lock."""
         with self.llama.vocab.vocabulary() as vocab:
             Grammar(vocab, text, param=param).close()
-
-
-def load_calibration(
-    settings: EngineSettings, sha256: str, resolved: ResolvedModel, profile_sha256: str
-) -> Calibration | None:
-    """``ARBITER_CALIBRATION`` (refused when fitted on another model or profile), else the one a
-    catalog model ships for this GGUF and profile (unless ``ARBITER_SHIPPED_CALIBRATION`` is
-    false); a server default error budget without one is refused."""
-    calibration: Calibration | None = None
-    if settings.calibration is not None:
-        calibration = Calibration.load(settings.calibration)
-        calibration.check_model(sha256, resolved.path.name, profile_sha256)
-    elif settings.shipped_calibration:
-        calibration = shipped(sha256, profile_sha256)
-    if calibration is not None:  # raw probabilities are the default of any other model
-        log.info("calibration", source=calibration.source, order_policy=settings.order_policy)
-    if settings.max_error is not None and (
-        calibration is None or calibration.policy(settings.order_policy).abstention is None
-    ):
-        raise ModelLoadError(
-            f"ARBITER_MAX_ERROR={settings.max_error} needs a calibration with abstention scores "
-            f"for {resolved.path.name} (none is shipped for it or set in ARBITER_CALIBRATION): "
-            "fit one with `arbiter calibrate`, or use ARBITER_MIN_CONFIDENCE"
-        )
-    return calibration
 
 
 def check_files(settings: EngineSettings) -> ResolvedModel:

@@ -34,8 +34,12 @@ from arbiter.engine.probabilities import softmax
 from arbiter.engine.rotation import DEFAULT_MARGIN
 from arbiter.engine.toplabel import TopLabel
 from arbiter.errors import ModelLoadError
+from arbiter.logging import get_logger
+from arbiter.models import ResolvedModel
 from arbiter.schema import MAX_TEMPERATURE, MIN_TEMPERATURE
+from arbiter.settings import EngineSettings
 
+log = get_logger("arbiter.engine")
 FORMAT = "arbiter-calibration-v2"
 FORMAT_V1 = "arbiter-calibration-v1"
 QUESTION_TYPES = ("noul", "choice", "score")
@@ -322,3 +326,28 @@ def shipped(sha256: str, profile_sha256: str | None) -> Calibration | None:
                 continue
             return Calibration.load(path, source="shipped")
     return None
+
+
+def load_calibration(
+    settings: EngineSettings, sha256: str, resolved: ResolvedModel, profile_sha256: str
+) -> Calibration | None:
+    """``ARBITER_CALIBRATION`` (refused when fitted on another model or profile), else the one a
+    catalog model ships for this GGUF and profile (unless ``ARBITER_SHIPPED_CALIBRATION`` is
+    false); a server default error budget without one is refused."""
+    calibration: Calibration | None = None
+    if settings.calibration is not None:
+        calibration = Calibration.load(settings.calibration)
+        calibration.check_model(sha256, resolved.path.name, profile_sha256)
+    elif settings.shipped_calibration:
+        calibration = shipped(sha256, profile_sha256)
+    if calibration is not None:  # raw probabilities are the default of any other model
+        log.info("calibration", source=calibration.source, order_policy=settings.order_policy)
+    if settings.max_error is not None and (
+        calibration is None or calibration.policy(settings.order_policy).abstention is None
+    ):
+        raise ModelLoadError(
+            f"ARBITER_MAX_ERROR={settings.max_error} needs a calibration with abstention scores "
+            f"for {resolved.path.name} (none is shipped for it or set in ARBITER_CALIBRATION): "
+            "fit one with `arbiter calibrate`, or use ARBITER_MIN_CONFIDENCE"
+        )
+    return calibration
