@@ -1539,6 +1539,17 @@ MUTATIONS = (
         "        out = self._stream or sys.__stdout__",
         ("tests/arbiter/test_models.py::test_the_bundled_model_says_it_is_a_format_demo",),
     ),
+    # Fuzz seed 2048: a second delivery one past the tries failed a shard its last try was scoring.
+    Mutation(
+        "first-past-the-tries-leaves-the-holder",
+        "worker/fanout/runner.py",
+        "            if delivery.reason is None and self.tries.first_past(count):",
+        "            if False:",
+        (
+            "tests/worker/test_last_look.py::"
+            "test_a_receive_past_the_tries_waits_for_the_last_try_it_may_overlap",
+        ),
+    ),
 )
 
 

@@ -28,7 +28,7 @@ from worker.dispatch import Dispatch, Failed
 from worker.events import UnreadableMessage, parse_message
 from worker.fanout import Delivery
 from worker.faults import classify
-from worker.jobs import JobFailed, OutOfTries
+from worker.jobs import JobFailed, LastTryMayRun, OutOfTries
 from worker.lease import Lease, LeaseLost, stop_together
 from worker.metrics import WorkerMetrics
 from worker.replies import QueueInfo, Replies
@@ -147,6 +147,13 @@ class Handler:
             failure = work.exception()
             if isinstance(failure, OutOfTries):
                 await self._out_of_tries(message, receive, failure)
+            elif isinstance(failure, LastTryMayRun):
+                # Left to the holder it may have: neither deleted (that would end its lease, and
+                # its work with it) nor copied; back in two visibility timeouts unless it finishes.
+                delay = 2 * self.settings.visibility_timeout_s
+                log.warning("shard.last_look", reason=str(failure), retry_in_s=delay)
+                await self.replies.back_off(message, delay)
+                return None
             elif failure is not None:
                 if lease.lost is not None and classify(failure).counts:
                     # Its lease was lost to the queue, but the work failed on its own: a try.

@@ -90,6 +90,12 @@ class OutOfTries(Exception):
     (a split job's is still a repair: it only re-sends what is unfinished)."""
 
 
+class LastTryMayRun(Exception):
+    """A shard message received once past its tries, without an outcome: its last try may still be
+    running (SQS shows a message again while it is in flight), so the message is left to it and
+    looked at again later (:mod:`worker.tries`)."""
+
+
 @dataclass
 class JobReport:
     """What happened to one job reference."""

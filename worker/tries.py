@@ -3,9 +3,11 @@
 **Tries.** The worker allows a message ``ARBITER_MAX_RECEIVE_COUNT`` receives (its *tries*); the
 queue's redrive policy allows :data:`REDRIVE_MARGIN` more, so the worker always sees the receive
 after a message's last try, even when that try died with its worker (SIGKILL, OOM, an abort in
-llama.cpp, a stopped task): a shard is then failed without running so its job still finishes; a job
-message gets one last look after a delay (a receive count can also grow because SQS showed the
-message again while a slow holder still worked on it: that holder may yet finish) and is
+llama.cpp, a stopped task). A receive count also grows when SQS shows a message again while a slow
+holder still works on it (a second delivery; a lapsed visibility), and that holder may yet finish:
+a shard message's first receive past the tries leaves the message to it (not deleted: that would
+end its lease and its work) and the next one fails a shard that still has no outcome, without
+running it, so its job still finishes; a job message gets one last look after a delay and is
 dead-lettered if its job has neither a summary nor a manifest by then. Only a message that outlives
 even the margin (every receive failing before the worker can answer it) is moved by SQS's redrive.
 
@@ -117,6 +119,10 @@ class Tries:
     def past(self, count: int) -> bool:
         """The message's last try ended without an answer (it died with its worker)."""
         return count > self.limit
+
+    def first_past(self, count: int) -> bool:
+        """The first receive past the tries: its last try may still run (a second delivery)."""
+        return count == self.limit + 1
 
     def retry_delay(self, receive: Receive) -> int:
         """Visibility delay after a counted failure."""

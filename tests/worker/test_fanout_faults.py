@@ -330,7 +330,7 @@ async def test_a_shard_failed_as_its_job_ends_sends_no_dlq_record(
 
         monkeypatch.setattr(outcome, "put_new", the_race)
         shard0 = parse_message(shard_body(manifest, 0), bucket="jobs", input_prefix="incoming/")[0]
-        await fanout.run(shard0, Delivery("late", 3))  # past the 2 tries: fails the shard
+        await fanout.run(shard0, Delivery("late", 4))  # 2 past the 2 tries: fails the shard
         dead = await receive_all(sqs, stack["dlq_url"], wait=0)
         # The split's shard messages were never taken by a worker here: the job ended without them.
         await sqs.purge_queue(QueueUrl=stack["queue_url"])

@@ -31,7 +31,7 @@ from worker.fanout.outcome import Outcome, finished, publish, read_outcome
 from worker.fanout.plan import Manifest, ManifestCache, ShardSpan, read_manifest
 from worker.fanout.shard import ShardWork
 from worker.faults import classify, describe
-from worker.jobs import JobRejected, JobReport, Runner
+from worker.jobs import JobRejected, JobReport, LastTryMayRun, Runner
 from worker.outputs import OutputKeys, output_keys
 from worker.s3io import exists
 from worker.settings import WorkerSettings
@@ -176,6 +176,12 @@ class FanOut:
         count = delivery.receive_count
         last = self.tries is not None and self.tries.last(count)
         if self.tries is not None and self.tries.past(count):
+            if delivery.reason is None and self.tries.first_past(count):
+                # Past the tries is not proof that the last one died: SQS may have shown the
+                # message again (a second delivery, or a slow holder's lapsed visibility) while it
+                # still runs. The next receive, if the last try does not finish, fails it (fuzz
+                # seed 2048: a second delivery failed a shard whose last try was scoring it).
+                raise LastTryMayRun(f"shard {span.index}: its last try may still be running")
             outcome = await self.work.fail(
                 folder, manifest, span, delivery.reason or LAST_TRY, count
             )
