@@ -9,9 +9,15 @@ naming the variable that moves it, before a model loads or a queue is touched.
 from __future__ import annotations
 
 import errno
+import random
 import socket
+from collections.abc import Collection
+from pathlib import Path
 
 from arbiter.errors import ArbiterError
+
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_SPARE = 10_000
 
 
 def bind(host: str, port: int, what: str, variable: str) -> socket.socket:
@@ -36,3 +42,27 @@ def why(exc: BaseException | None) -> str:
     if isinstance(exc, OSError):
         return "in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
     return str(exc)
+
+
+def spare_port(host: str, avoid: Collection[int] = ()) -> int:
+    """A port free on ``host`` now, for a process that binds it later (``arbiter local`` hands its
+    parts their ports): from outside the kernel's ephemeral range, where no outgoing connection
+    takes its source port in the seconds before the part binds it. A port bind(0) finds free is
+    one of those (CI: a stack's runtime API refused the port its stack had just found free); bind(0)
+    is the fallback where that range leaves no room."""
+    try:
+        low, high = (int(n) for n in EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32_768, 60_999  # Linux's default
+    span = range(LOWEST_SPARE, low) if low - LOWEST_SPARE >= 4_000 else range(high + 1, 65_536)
+    for _ in range(200 if len(span) > 100 else 0):
+        port = random.randrange(span.start, span.stop)
+        if port in avoid:
+            continue
+        try:
+            bind(host, port, "a spare port", "").close()
+        except ArbiterError:
+            continue
+        return port
+    with bind(host, 0, "a spare port", "") as sock:
+        return int(sock.getsockname()[1])

@@ -22,7 +22,7 @@ from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from arbiter.errors import ArbiterError
-from arbiter.ports import bind, why
+from arbiter.ports import bind, spare_port, why
 
 OFFSETS = {"container": 0, "runtime": 1, "s3": 2, "metrics": 3}
 
@@ -183,8 +183,9 @@ def _claim(part: Part, taken: set[int], base: int) -> int:
     )
     if part.port in taken:
         raise ArbiterError(f"refused: {part.name} would share port {part.port}; {hint}")
+    port = part.port or spare_port(part.host, taken)  # 0: one no connection takes meanwhile
     try:
-        sock = bind(part.host, part.port, part.name, part.variable)
+        sock = bind(part.host, port, part.name, part.variable)
     except ArbiterError as exc:
         raise ArbiterError(
             f"refused: port {part.port} on {part.host} for {part.name} is {why(exc.__cause__)} "

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -55,6 +56,10 @@ def test_a_component_variable_still_wins_and_base_zero_picks_free_ports() -> Non
     assert _ports(port=a, runtime_port=runtime) == [a, runtime, a + 2, a + 3]
     anywhere = _ports(port=0)
     assert 0 not in anywhere and len(set(anywhere)) == 4
+    # Handed to the parts, which bind them seconds later: none where an outgoing connection
+    # takes its source port meanwhile (CI: a runtime API refused the port its stack had found).
+    low, high = (int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert not [p for p in anywhere if low <= p <= high], anywhere
 
 
 def test_a_busy_port_is_refused_naming_the_part_and_the_base() -> None:
