@@ -195,6 +195,13 @@ class FaultProxy:
     on_kill: Callable[[int], None] | None = None
     counts: Counter[str] = field(default_factory=Counter)
     log: list[tuple[int, str, str, str]] = field(default_factory=list)  # worker, op, key, action
+    # The bodies of messages the workers sent and SQS took, by queue URL: what a queue holds beyond
+    # these, SQS moved there itself (its redrive).
+    sent: dict[str, list[str]] = field(default_factory=dict)
+    # Each receive SQS answered (its receipt handle -> the message's body), and what became of
+    # each delete of one (the actions taken on it, "forward" for one sent on as it was).
+    received: dict[str, str] = field(default_factory=dict)
+    deletes: dict[str, list[str]] = field(default_factory=dict)
     latency_s: float = 0.0  # added to every request before it is forwarded (a distant endpoint)
 
     def __post_init__(self) -> None:
@@ -258,9 +265,7 @@ class FaultProxy:
             return self._drop(request, "dead")
         call = self._call(request, body, worker, state)
         action = self.decide(call)
-        if action != "forward":
-            self.counts[action] += 1
-            self.log.append((worker, call.op, call.key, action))
+        self._record(call, action, body)
         early = self._before(request, call, action, body, state)
         if early is not None:
             return early
@@ -271,10 +276,11 @@ class FaultProxy:
         if call.service == "sqs" and self._aliases:
             body = self._unalias(body)
         status, headers, data = await self._forward(request, body)
-        if action == "duplicate" and call.op in ("SendMessage", "SendMessageBatch"):
-            await self._forward(request, body)
+        if call.op in ("SendMessage", "SendMessageBatch"):
+            await self._send_done(request, call.key, action, body, status)
         if call.op == "ReceiveMessage" and status == 200 and (held := _held(data)):
             state.held, state.received = held, data
+            self.received[held.receipt] = held.body
         if action == "kill_after":
             self.kill(worker)
             return self._drop(request, "dead")
@@ -285,6 +291,16 @@ class FaultProxy:
         if action == "forbid_missing" and status == 404 and call.op in ("GetObject", "HeadObject"):
             return _error("s3", 403)
         return _response(request, status, headers, data)
+
+    def _record(self, call: Call, action: str, body: bytes) -> None:
+        """The action into :attr:`counts` and :attr:`log` (if not a plain forward), and a
+        delete's into :attr:`deletes`."""
+        if action != "forward":
+            self.counts[action] += 1
+            self.log.append((call.worker, call.op, call.key, action))
+        if call.op in ("DeleteMessage", "DeleteMessageBatch"):
+            for receipt in _receipts(self._unalias(body)):
+                self.deletes.setdefault(receipt, []).append(action)
 
     def _before(
         self, request: web.Request, call: Call, action: str, body: bytes, state: _Worker
@@ -331,6 +347,21 @@ class FaultProxy:
                 int(attributes.get("ApproximateReceiveCount", "1")) + 1
             )
         return json.dumps(doc).encode()
+
+    async def _send_done(
+        self, request: web.Request, url: str, action: str, body: bytes, status: int
+    ) -> None:
+        """A forwarded send: sent again if ``duplicate``, and each one SQS took kept in
+        :attr:`sent`."""
+        statuses = [status]
+        if action == "duplicate":
+            statuses.append((await self._forward(request, body))[0])
+        with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
+            doc = json.loads(body)
+            entries = doc.get("Entries", [])
+            bodies = [e["MessageBody"] for e in entries] or [doc["MessageBody"]]
+            for _ in range(statuses.count(200)):
+                self.sent.setdefault(url, []).extend(bodies)
 
     def _unalias(self, body: bytes) -> bytes:
         """An SQS request with the real receipt handles of redeliveries (see _second_delivery)."""
@@ -394,6 +425,14 @@ class FaultProxy:
         if request.transport is not None:
             request.transport.close()
         return web.Response(status=500)
+
+
+def _receipts(body: bytes) -> list[str]:
+    """The receipt handles a DeleteMessage(Batch) request names."""
+    with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
+        doc = json.loads(body)
+        return [e["ReceiptHandle"] for e in doc.get("Entries", [])] or [doc["ReceiptHandle"]]
+    return []
 
 
 def _held(data: bytes) -> Held | None:
