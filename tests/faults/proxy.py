@@ -195,11 +195,8 @@ class FaultProxy:
     on_kill: Callable[[int], None] | None = None
     counts: Counter[str] = field(default_factory=Counter)
     log: list[tuple[int, str, str, str]] = field(default_factory=list)  # worker, op, key, action
-    # The bodies of messages the workers sent and SQS took, by queue URL: what a queue holds beyond
-    # these, SQS moved there itself (its redrive).
-    sent: dict[str, list[str]] = field(default_factory=dict)
-    # Each receive SQS answered (its receipt handle -> the message's body), and what became of
-    # each delete of one (the actions taken on it, "forward" for one sent on as it was).
+    # Each receive SQS answered (its receipt handle -> the message's ID), and what became of each
+    # delete of one (the actions taken on it, "forward" for one sent on as it was).
     received: dict[str, str] = field(default_factory=dict)
     deletes: dict[str, list[str]] = field(default_factory=dict)
     latency_s: float = 0.0  # added to every request before it is forwarded (a distant endpoint)
@@ -276,11 +273,11 @@ class FaultProxy:
         if call.service == "sqs" and self._aliases:
             body = self._unalias(body)
         status, headers, data = await self._forward(request, body)
-        if call.op in ("SendMessage", "SendMessageBatch"):
-            await self._send_done(request, call.key, action, body, status)
+        if action == "duplicate" and call.op in ("SendMessage", "SendMessageBatch"):
+            await self._forward(request, body)
         if call.op == "ReceiveMessage" and status == 200 and (held := _held(data)):
             state.held, state.received = held, data
-            self.received[held.receipt] = held.body
+            self.received.update(_receipts(data, "Messages", "MessageId"))
         if action == "kill_after":
             self.kill(worker)
             return self._drop(request, "dead")
@@ -348,21 +345,6 @@ class FaultProxy:
             )
         return json.dumps(doc).encode()
 
-    async def _send_done(
-        self, request: web.Request, url: str, action: str, body: bytes, status: int
-    ) -> None:
-        """A forwarded send: sent again if ``duplicate``, and each one SQS took kept in
-        :attr:`sent`."""
-        statuses = [status]
-        if action == "duplicate":
-            statuses.append((await self._forward(request, body))[0])
-        with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
-            doc = json.loads(body)
-            entries = doc.get("Entries", [])
-            bodies = [e["MessageBody"] for e in entries] or [doc["MessageBody"]]
-            for _ in range(statuses.count(200)):
-                self.sent.setdefault(url, []).extend(bodies)
-
     def _unalias(self, body: bytes) -> bytes:
         """An SQS request with the real receipt handles of redeliveries (see _second_delivery)."""
         if b"~" not in body:
@@ -427,12 +409,14 @@ class FaultProxy:
         return web.Response(status=500)
 
 
-def _receipts(body: bytes) -> list[str]:
-    """The receipt handles a DeleteMessage(Batch) request names."""
+def _receipts(doc: bytes, entries: str = "Entries", value: str = "Id") -> dict[str, str]:
+    """The receipt handles (-> each entry's ``value``) a JSON SQS request or answer names in its
+    ``entries``, or at its top level."""
     with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
-        doc = json.loads(body)
-        return [e["ReceiptHandle"] for e in doc.get("Entries", [])] or [doc["ReceiptHandle"]]
-    return []
+        parsed = json.loads(doc)
+        found = parsed.get(entries) or [parsed]
+        return {e["ReceiptHandle"]: str(e.get(value, "")) for e in found if "ReceiptHandle" in e}
+    return {}
 
 
 def _held(data: bytes) -> Held | None:

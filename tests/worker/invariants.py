@@ -132,9 +132,9 @@ async def violations(
     ``dead_letters`` collects the DLQ's messages; ``duplicate_records``: a worker was killed right
     after sending a record (the one way a record comes twice, worker/fanout/deadletters.py);
     ``rejected``: keys of jobs that must be rejected, whose notifications the DLQ holds;
-    ``redriven``: of the DLQ's bodies, those SQS's redrive moved there after deletes of a message
-    whose work was done were lost (:func:`redriven_bodies`); not held against the run, since
-    every job above must still check out (docs/fanout.md says why this is left)."""
+    ``redriven``: of the DLQ's message IDs, those SQS's redrive moved there after the deletes of
+    a message whose work was done failed (:func:`redriven_messages`); not held against the run,
+    since every job above must still check out (docs/fanout.md says why this is left)."""
     bad: list[str] = []
     failed: set[tuple[str, int]] = set()
     for job in jobs:
@@ -158,14 +158,8 @@ async def violations(
             break
         dead += got
     if redriven is not None:
-        moved = Counter(redriven([m["Body"] for m in dead]))
-        kept = []
-        for message in dead:
-            if moved[message["Body"]] > 0:
-                moved[message["Body"]] -= 1
-                continue
-            kept.append(message)
-        dead = kept
+        moved = set(redriven([m["MessageId"] for m in dead]))
+        dead = [m for m in dead if m["MessageId"] not in moved]
     bodies = [json.loads(m["Body"]) for m in dead]
     if dead_letters is not None:
         dead_letters += bodies
@@ -207,30 +201,20 @@ def _notified(body: dict[str, Any]) -> str | None:
     return unquote_plus(key) if isinstance(key, str) else None
 
 
-def redriven_bodies(
-    received: dict[str, str],
-    deletes: dict[str, list[str]],
-    sent: dict[str, list[str]],
-    dlq_name: str,
-    dlq_bodies: Sequence[str],
+def redriven_messages(
+    received: dict[str, str], deletes: dict[str, list[str]], dlq_ids: Sequence[str]
 ) -> list[str]:
-    """The DLQ messages SQS's redrive moved though the workers did their part: each beyond what
-    the workers sent there, whose every receive (``received``: receipt handle -> body) they
-    answered with a delete (``deletes``: receipt handle -> the proxy's actions on its deletes),
-    one of which at least was refused, failed or lost. A worker that leaves a receive undeleted,
-    on any path, is still caught."""
-    theirs = Counter(
-        b for url, bodies in sent.items() if url.endswith(f"/{dlq_name}") for b in bodies
-    )
+    """Of the DLQ's message IDs, those SQS's redrive moved (a message the workers received: what
+    they send there is a new message) though the workers did their part: every receive of it
+    (``received``: receipt handle -> message ID) answered with a delete (``deletes``: receipt
+    handle -> the proxy's actions on its deletes), one of them at least refused, failed or lost.
+    A worker that leaves any receive undeleted is still caught."""
     moved = []
-    for body in dlq_bodies:
-        if theirs[body] > 0:
-            theirs[body] -= 1
-            continue
-        receipts = [r for r, b in received.items() if b == body]
+    for message in dlq_ids:
+        receipts = [r for r, m in received.items() if m == message]
         answered = bool(receipts) and all(deletes.get(r) for r in receipts)
         if answered and any(a != "forward" for r in receipts for a in deletes[r]):
-            moved.append(body)
+            moved.append(message)
     return moved
 
 
