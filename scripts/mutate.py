@@ -67,6 +67,7 @@ LOCAL_ASYNC = (
 PROCESSING = "tests/emulator/test_transform_dataprocessing.py::"
 QUEUE_OUTAGES = "tests/worker/test_queue_outages.py::"
 CAMPAIGN = "tests/worker/test_campaign.py::test_a_few_dozen_fault_seeds_find_nothing"
+TWO_TRY_PARTIALS = "2,10,29,1008"
 ONE_TRY_FLAPS = "1002,1012,1013,1017,1050,1053,1058,1089,1104,1112,1143,1183,1184,1192,1197"
 
 MUTATIONS = (
@@ -1204,6 +1205,9 @@ MUTATIONS = (
         "        if failed.fault.counts:\n",
         "        if True:\n",
         (CAMPAIGN,),
+        # The seeds that allow two tries through a partial store outage (make test's 2, 10 and 29,
+        # make faults' 1008): with make test's 0:12 it survived one run in a few here, under load.
+        (("ARBITER_CAMPAIGN_SEEDS", TWO_TRY_PARTIALS),),
     ),
     Mutation(
         "breaker-removed-campaign",
@@ -1220,9 +1224,15 @@ MUTATIONS = (
         "worker/handling.py",
         "                lambda why: self.uncounted.record(message, why),\n",
         "                None,\n",
-        (CAMPAIGN,),
-        # The seeds of make faults' 1000:1200 that allow one try while SQS flaps and shards outlive
-        # their visibility (CI's 1000:1020 has four): each catches it about one run in three.
+        # The campaign alone is not a sure catch: on the seeds of make faults' 1000:1200 that allow
+        # one try while SQS flaps (CI's 1000:1020 has four) it failed 1 of 2 mutate runs here
+        # (seed 1058 hangs), since a receive one past the tries waits for its holder (45bc767).
+        # Its "catch" was vacuous before: the campaign test's kill-coverage assertion failed on
+        # these kill-free seeds. make test's queue-outage test catches it every time, first.
+        (
+            QUEUE_OUTAGES + "test_a_lease_lost_to_an_sqs_outage_spends_no_try_and_its_job_goes_on",
+            CAMPAIGN,
+        ),
         (("ARBITER_CAMPAIGN_SEEDS", ONE_TRY_FLAPS),),
     ),
     Mutation(

@@ -25,7 +25,8 @@ async def test_a_few_dozen_fault_seeds_find_nothing(endpoint: str) -> None:
     results = await run_seeds(_seeds(SEEDS), endpoint, concurrency=6)
     summary = totals(results)
     print(json.dumps(summary))
-    assert summary["faults"].get("lose_response", 0) > 0 and summary["kills"] > 0
+    if "ARBITER_CAMPAIGN_SEEDS" not in os.environ:  # a mutation's seeds may have neither
+        assert summary["faults"].get("lose_response", 0) > 0 and summary["kills"] > 0
     failed = [describe(r) for r in results if r.violations]
     assert failed == [], "\n".join(failed)
 
