@@ -90,12 +90,13 @@ SQS_WRITES = {
 
 @dataclass(frozen=True)
 class Held:
-    """The message a worker received last: its body, which receive of it this is, and the
-    receipt handle of this receive (each receive has its own)."""
+    """The message a worker received last: its body, which receive of it this is, the receipt
+    handle of this receive (each receive has its own), and the message's ID."""
 
     body: str
     receive_count: int
     receipt: str = ""
+    message_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -195,8 +196,9 @@ class FaultProxy:
     on_kill: Callable[[int], None] | None = None
     counts: Counter[str] = field(default_factory=Counter)
     log: list[tuple[int, str, str, str]] = field(default_factory=list)  # worker, op, key, action
-    # Each receive SQS answered (its receipt handle -> the message's ID), and what became of each
-    # delete of one (the actions taken on it, "forward" for one sent on as it was).
+    # Each receive SQS answered (its receipt handle -> the message's ID; a worker receives one
+    # message at a time, as Held assumes), and what became of each delete of one (the actions
+    # taken on it, "forward" for one sent on as it was).
     received: dict[str, str] = field(default_factory=dict)
     deletes: dict[str, list[str]] = field(default_factory=dict)
     latency_s: float = 0.0  # added to every request before it is forwarded (a distant endpoint)
@@ -277,7 +279,7 @@ class FaultProxy:
             await self._forward(request, body)
         if call.op == "ReceiveMessage" and status == 200 and (held := _held(data)):
             state.held, state.received = held, data
-            self.received.update(_receipts(data, "Messages", "MessageId"))
+            self.received[held.receipt] = held.message_id
         if action == "kill_after":
             self.kill(worker)
             return self._drop(request, "dead")
@@ -409,14 +411,12 @@ class FaultProxy:
         return web.Response(status=500)
 
 
-def _receipts(doc: bytes, entries: str = "Entries", value: str = "Id") -> dict[str, str]:
-    """The receipt handles (-> each entry's ``value``) a JSON SQS request or answer names in its
-    ``entries``, or at its top level."""
+def _receipts(body: bytes) -> list[str]:
+    """The receipt handles a DeleteMessage(Batch) request names."""
     with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
-        parsed = json.loads(doc)
-        found = parsed.get(entries) or [parsed]
-        return {e["ReceiptHandle"]: str(e.get(value, "")) for e in found if "ReceiptHandle" in e}
-    return {}
+        doc = json.loads(body)
+        return [e["ReceiptHandle"] for e in doc.get("Entries") or [doc] if "ReceiptHandle" in e]
+    return []
 
 
 def _held(data: bytes) -> Held | None:
@@ -425,7 +425,8 @@ def _held(data: bytes) -> Held | None:
         if messages:
             message = messages[0]
             count = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
-            return Held(message["Body"], count, str(message.get("ReceiptHandle", "")))
+            receipt = str(message.get("ReceiptHandle", ""))
+            return Held(message["Body"], count, receipt, str(message.get("MessageId", "")))
     return None
 
 
