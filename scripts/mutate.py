@@ -849,6 +849,16 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "template-values-through-tojson",
+        "arbiter/templates.py",
+        '    env.filters["tojson"] = marks.to_json',
+        '    env.filters["tojson"] = lambda value, **kw: __import__("json").dumps(value, **kw)',
+        (
+            "tests/arbiter/test_template_values.py::"
+            "test_a_value_with_markup_is_written_as_the_template_writes_the_callers_value",
+        ),
+    ),
+    Mutation(
         "labels-as-the-model-writes-them",
         "arbiter/engine/labels.py",
         "            lambda text: llama.vocab.continued(text, special=False).tolist(),",
@@ -871,8 +881,9 @@ MUTATIONS = (
     Mutation(
         "spaces-go-with-the-callers-text",
         "arbiter/prompt.py",
-        "        segments.append((spaces + texts[index], False))",
-        "        segments += [(spaces, True)] if spaces else []\n        segments.append((texts[index], False))",
+        "        segments.append((spaces + marks.placed(texts[index], match[2]), False))",
+        "        segments += [(spaces, True)] if spaces else []\n"
+        "        segments.append((marks.placed(texts[index], match[2]), False))",
         (
             "tests/arbiter/test_vocabularies.py::"
             "test_chat_segments_tokenize_as_the_whole_string_on_a_sentencepiece_model",
