@@ -1527,6 +1527,8 @@ MUTATIONS = (
         (
             SAFETY
             + "test_a_slow_stream_to_a_client_that_reads_nothing_is_dropped_within_the_idle_time",
+            SAFETY
+            + "test_a_client_with_default_buffers_that_stops_reading_is_dropped_once_it_takes_nothing",
         ),
     ),
     Mutation(
