@@ -859,6 +859,16 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "leads-that-do-not-open-text",
+        "arbiter/engine/vocabulary.py",
+        "            if len(own) and self.opens_text(int(own[-1])):",
+        "            if False:",
+        (
+            "tests/arbiter/test_vocabularies.py::"
+            "test_gemmas_vocabulary_with_a_forced_space_prefix_reads_its_letters_and_prompts",
+        ),
+    ),
+    Mutation(
         "labels-as-the-model-writes-them",
         "arbiter/engine/labels.py",
         "            lambda text: llama.vocab.continued(text, special=False).tolist(),",
