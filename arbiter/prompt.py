@@ -18,7 +18,7 @@ from typing import Any
 
 import jinja2
 
-from arbiter import answer_position, templates
+from arbiter import answer_position, marks, templates
 from arbiter.errors import InvalidDecision
 from arbiter.profiles import Profile, load_profile
 
@@ -218,18 +218,17 @@ def chat_layouts(
 
 Segments = list[tuple[str, bool]]  # (text, is_template_text)
 PLAIN_STOPS = ["\nuser:", "\nsystem:"]  # where a plain transcript's reply ends
-_MARK = "\u0000ARBITER_MESSAGE_{}\u0000"
-_MARKS = re.compile("\u0000ARBITER_MESSAGE_([0-9]+)\u0000")
 # What every control token's text is written with (<|im_end|>, [INST], <s>, <｜Assistant｜>,
 # <start_of_turn>): a caller's string that holds one of these reaches the template as a mark,
 # and is placed as text like a message (issue 35: a message's name, reasoning_effort and the
-# chat_template_kwargs values were tokenized with special-token parsing).
-_MARKUP = re.compile("[<>\\[\\]|\uff5c\u0000]")
+# chat_template_kwargs values were tokenized with special-token parsing). A mark's own name too.
+_MARKUP = re.compile("[<>\\[\\]|\uff5c\u0000]|" + marks.NAME.pattern, re.IGNORECASE)
 
 
 class _Values:
     """The caller's strings that reach a template besides the messages (names, keyword values),
-    each that could hold a control token's text swapped for a numbered mark after the messages'.
+    each that could hold a control token's text swapped for a numbered mark after the messages',
+    with the request field it came from (``fields``).
 
     A string the template compares its keyword with (``reasoning_effort == "high"``) is the
     template's own text and stays as it is, as does one with no markup (a mark would change how
@@ -237,26 +236,48 @@ class _Values:
 
     def __init__(self, first: int, compared: Mapping[str, frozenset[object]]) -> None:
         self.texts: list[str] = []
+        self.fields: list[str] = []
         self.first = first
         self.compared = compared
 
-    def text(self, value: str, key: str | None = None) -> str:
+    def text(self, value: str, field: str, key: str | None = None) -> str:
         if not _MARKUP.search(value) or (key is not None and value in self.compared.get(key, ())):
             return value
         self.texts.append(value)
-        return _MARK.format(self.first + len(self.texts) - 1)
+        self.fields.append(field)
+        return marks.Mark(self.first + len(self.texts) - 1, value)
 
-    def any(self, value: Any, key: str | None = None) -> Any:
+    def any(self, value: Any, field: str, key: str | None = None) -> Any:
         if isinstance(value, str):
-            return self.text(value, key)
+            return self.text(value, field, key)
         if isinstance(value, Mapping):
-            return {self.any(k): self.any(v) for k, v in value.items()}
+            return {self.any(k, field): self.any(v, f"{field}.{k}") for k, v in value.items()}
         if isinstance(value, list | tuple):
-            return [self.any(v) for v in value]
+            return [self.any(v, f"{field}.{i}") for i, v in enumerate(value)]
         return value
 
     def kwargs(self, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
-        return {key: self.any(value, key) for key, value in (kwargs or {}).items()}
+        return {
+            key: self.any(value, f"chat_template_kwargs.{key}", key)
+            for key, value in (kwargs or {}).items()
+        }
+
+
+def _refuse_changed_marks(segments: Segments, fields: Sequence[str]) -> None:
+    """A 400 naming the field whose mark the template changed (``name | lower``): what it would
+    have written for the caller's string is unknown, so it cannot be placed."""
+    for part, template_text in segments:
+        left = marks.residue(part) if template_text else None
+        if left is not None:
+            index = int(left[1]) if left[1] else -1
+            field = fields[index] if 0 <= index < len(fields) else "messages"
+            raise InvalidDecision(
+                f"{field}: the model's chat template changes this value where it writes it (a "
+                "filter other than tojson or string); a value holding markup (<, >, [, ], |) "
+                "cannot be placed there as text",
+                param=field,
+                code="chat_template_error",
+            )
 
 
 def render_chat(
@@ -279,7 +300,9 @@ def render_chat(
     message is placed exactly once (linear in the text: a check per message over the whole text
     was quadratic in the number of messages). Every other string of the caller's that the template
     is given (``names``, the keywords' values) is text too: one that holds markup enters as a mark
-    of its own (``_Values``), placed as text wherever the template writes it.
+    of its own (``_Values``), placed as text wherever the template writes it: through ``tojson``
+    or ``string`` as those would have written it (``marks``); changed by any other filter it is a
+    400 naming the field, never a mark left in the prompt.
 
     ``template_kwargs`` are the caller's (``enable_thinking``, ``reasoning_effort``, ...): a chat
     completion keeps the template's own defaults unless the request sets them. ``names`` are the
@@ -297,9 +320,9 @@ def render_chat(
     values = _Values(len(messages), answer_position.template_reads(template).compared)
     marked: list[dict[str, str]] = []
     for i, role in enumerate(roles):
-        message = {"role": role, "content": _MARK.format(i)}
+        message = {"role": role, "content": marks.Mark(i, messages[i][1])}
         if names is not None and names[i]:
-            message["name"] = values.text(str(names[i]))
+            message["name"] = values.text(str(names[i]), f"messages.{i}.name")
         marked.append(message)
     try:
         text = templates.render(
@@ -317,11 +340,12 @@ def render_chat(
             code="chat_template_error",
         ) from exc
     texts = [message for _, message in messages] + values.texts
+    fields = [f"messages.{i}.content" for i in range(len(messages))] + values.fields
     placed = [0] * len(texts)
     segments: Segments = []
     end = 0
-    for match in _MARKS.finditer(text):
-        index = int(match.group(1))
+    for match in marks.MARKS.finditer(text):
+        index = int(match[1])
         if index >= len(placed):
             placed.append(0)  # not a mark of ours: fails the check below
             break
@@ -329,7 +353,7 @@ def render_chat(
         before, spaces = split_spaces(text[end : match.start()])
         if before:
             segments.append((before, True))
-        segments.append((spaces + texts[index], False))
+        segments.append((spaces + marks.placed(texts[index], match[2]), False))
         end = match.end()
     if end < len(text) and not prefilled:
         segments.append((text[end:], True))  # prefilled: the turn's end is not written
@@ -339,13 +363,7 @@ def render_chat(
             param="messages",
             code="chat_template_error",
         )
-    if any("\u0000" in part for part, template_text in segments if template_text):
-        raise InvalidDecision(  # a mark the template changed (``name | lower``): not placed
-            "the model's chat template rewrites a name or keyword value that holds markup; it "
-            "cannot be placed as text",
-            param="messages",
-            code="chat_template_error",
-        )
+    _refuse_changed_marks(segments, fields)
     last, is_template = segments[-1] if segments else ("", True)
     if prefilled and (is_template or split_spaces(last.removesuffix(messages[-1][1]))[0]):
         raise InvalidDecision(

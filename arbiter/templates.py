@@ -31,7 +31,6 @@ writes its answer. Today's families differ in how they get there (``decision_kwa
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -41,6 +40,8 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from arbiter import marks
 
 # Keys a caller's ``chat_template_kwargs`` may not set: the renderer's own inputs.
 RESERVED_KWARGS = frozenset(
@@ -62,19 +63,6 @@ DATETIME_FORMAT = "%b %d %Y"
 
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    """``tojson`` as transformers defines it (Jinja's own escapes ``<``, ``>``, ``&`` and ``'``)."""
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
 
 
 class GenerationTag(jinja2.ext.Extension):
@@ -114,7 +102,7 @@ def compile_template(template: str) -> jinja2.Template:
         extensions=[jinja2.ext.loopcontrols, GenerationTag],
         undefined=Unset,
     )
-    env.filters["tojson"] = _tojson
+    env.filters["tojson"] = marks.to_json
     env.globals["raise_exception"] = _raise_exception
     return env.from_string(template)
 

@@ -228,9 +228,10 @@ async def _stream(
 
 async def _until_stalled(request: web.Request, written: list[int], idle: float) -> None:
     """Drop the connection once its client has taken nothing for ``idle`` s while bytes wait for
-    it. A write blocks only once every buffer on the way is full (hundreds of KB), so a slow
-    stream to a client that reads nothing went on to its end (3 s set, 60 s streamed); the bytes
-    the client's side has not taken (``emulator.protocol.unsent``) tell it within ``idle``."""
+    it. A write blocks only once every buffer on the way is full (the front's send buffer grows
+    to 4 MB); the bytes the client's kernel has not acknowledged (``emulator.protocol.unsent``)
+    tell it within ``idle`` of the client's receive buffer filling. Until then a client that
+    stops reading acknowledges like one that reads (docs/sagemaker-local.md)."""
     loop = asyncio.get_running_loop()
     taken_before, since = -1, loop.time()
     while True:

@@ -75,8 +75,9 @@ class RuntimeSettings(BaseSettings):
     stream_idle_timeout_s: float = Field(
         default=30.0,
         gt=0,
-        description="A response stream whose client has read nothing for this long is dropped, "
-        "and the container's call with it.",
+        description="A response stream whose client has taken nothing for this long (its kernel "
+        "acknowledged nothing: a client that stops reading first fills its receive buffer) is "
+        "dropped, and the container's call with it.",
     )
     input_prefix: str | None = Field(
         default=None,

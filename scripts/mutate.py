@@ -849,6 +849,26 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "template-values-through-tojson",
+        "arbiter/templates.py",
+        '    env.filters["tojson"] = marks.to_json',
+        '    env.filters["tojson"] = lambda value, **kw: __import__("json").dumps(value, **kw)',
+        (
+            "tests/arbiter/test_template_values.py::"
+            "test_a_value_with_markup_is_written_as_the_template_writes_the_callers_value",
+        ),
+    ),
+    Mutation(
+        "leads-that-do-not-open-text",
+        "arbiter/engine/vocabulary.py",
+        "            if len(own) and self.opens_text(int(own[-1])):",
+        "            if False:",
+        (
+            "tests/arbiter/test_vocabularies.py::"
+            "test_gemmas_vocabulary_with_a_forced_space_prefix_reads_its_letters_and_prompts",
+        ),
+    ),
+    Mutation(
         "labels-as-the-model-writes-them",
         "arbiter/engine/labels.py",
         "            lambda text: llama.vocab.continued(text, special=False).tolist(),",
@@ -871,8 +891,9 @@ MUTATIONS = (
     Mutation(
         "spaces-go-with-the-callers-text",
         "arbiter/prompt.py",
-        "        segments.append((spaces + texts[index], False))",
-        "        segments += [(spaces, True)] if spaces else []\n        segments.append((texts[index], False))",
+        "        segments.append((spaces + marks.placed(texts[index], match[2]), False))",
+        "        segments += [(spaces, True)] if spaces else []\n"
+        "        segments.append((marks.placed(texts[index], match[2]), False))",
         (
             "tests/arbiter/test_vocabularies.py::"
             "test_chat_segments_tokenize_as_the_whole_string_on_a_sentencepiece_model",
@@ -1516,6 +1537,8 @@ MUTATIONS = (
         (
             SAFETY
             + "test_a_slow_stream_to_a_client_that_reads_nothing_is_dropped_within_the_idle_time",
+            SAFETY
+            + "test_a_client_with_default_buffers_that_stops_reading_is_dropped_once_it_takes_nothing",
         ),
     ),
     Mutation(

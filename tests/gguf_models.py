@@ -53,6 +53,12 @@ class Vocabulary:
         finally:
             data.close()
 
+    def set_bool(self, key: str, value: bool) -> None:
+        """Set (or replace) a boolean key, such as ``tokenizer.ggml.add_space_prefix``."""
+        name = _string(key)
+        self.kv = [kv for kv in self.kv if not kv.startswith(name)]
+        self.kv.append(name + struct.pack("<I", int(gguf.GGUFValueType.BOOL)) + bytes([value]))
+
     def write(self, target: Path, template: str | None) -> Path:
         kv = list(self.kv)
         if template is not None:

@@ -42,7 +42,8 @@ _NASTY = [
     "<end_of_turn>",
     "<|im_start|>",
     "<|im_end|>",
-    "\u0000ARBITER_MESSAGE_0\u0000",
+    "\u0000ArbiterText0:\u0000",
+    "\u0000ArbiterText1:j\u0000",
     "{{ raise_exception('x') }}",
 ]
 

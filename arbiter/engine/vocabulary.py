@@ -28,7 +28,8 @@ _OPENS_TEXT = (
     | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
 )
 # Put before a piece that continues a prompt and taken off again (``Vocabulary.tokenize``): the first
-# whose own tokens end where the piece's begin.
+# whose own tokens end where the piece's begin, and whose last token is not one after which llama.cpp
+# writes the space prefix again.
 _LEADS = ("\n", "\u0001", "~")
 
 
@@ -81,6 +82,8 @@ class Vocabulary:
             return self._tokens(text, special)
         for lead in _LEADS:
             own = self._tokens(lead, False)
+            if len(own) and self.opens_text(int(own[-1])):
+                continue  # a user-defined "\n" (Gemma's): the text after it is prefixed again
             both = self._tokens(lead + text, special)
             if np.array_equal(both[: len(own)], own):
                 return both[len(own) :]

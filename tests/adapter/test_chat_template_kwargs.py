@@ -4,13 +4,19 @@ them; the renderer's own inputs cannot be set."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 
 from adapter.app import create_app
 from arbiter.engine import Engine
 from arbiter.settings import ServerSettings
+from tests.adapter.conftest import error_of
+from tests.fakes import FakeEngine
+from tests.gguf_models import template_text
 from tests.live_server import ready
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -66,3 +72,52 @@ async def test_the_renderers_own_inputs_are_a_400_naming_the_field(
     error = (await response.json())["error"]
     assert error["param"] == param
     assert next(iter(kwargs)) in error["message"]
+
+
+class _Recording(FakeEngine):
+    """A fake with a chat template that keeps the segments of the last prompt it encoded."""
+
+    def __init__(self, template: str) -> None:
+        super().__init__()
+        self.chat_template = template
+        self.segments: list[tuple[str, bool]] = []
+
+    def encode_segments(self, segments: Sequence[tuple[str, bool]]) -> np.ndarray:
+        self.segments = list(segments)
+        return super().encode_segments(segments)
+
+
+PATTERN = {"type": "string", "pattern": "^[a-z]+(<[0-9]>|\\[x\\])$"}
+
+
+async def test_a_kwarg_written_through_tojson_reaches_the_prompt_as_the_callers_value(
+    make: Any,
+) -> None:
+    """DeepSeek-V4 writes ``response_format | tojson``: a schema's ``pattern`` (``<>[]|``) reached
+    the prompt as the literal mark ``"\\u0000ARBITER_MESSAGE_1\\u0000"`` (issue 44)."""
+    engine = _Recording(template_text("deepseek-ai-DeepSeek-V4"))
+    client = await make(engine)
+    response_format = {"type": "json_schema", "json_schema": {"name": "r", "schema": PATTERN}}
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "chat_template_kwargs": {"response_format": response_format},
+    }
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status == 200, await response.text()
+    prompt = "".join(text for text, _ in engine.segments)
+    assert json.dumps(response_format) in prompt
+    assert (json.dumps(PATTERN["pattern"])[1:-1], False) in engine.segments  # placed as text
+    assert "\\u0000" not in prompt and "\u0000" not in prompt
+
+
+async def test_a_kwarg_the_template_changes_is_a_400_naming_the_field(make: Any) -> None:
+    template = "{{ controls.length | lower }}" + template_text("Qwen3.5-4B")
+    client = await make(_Recording(template))
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "chat_template_kwargs": {"controls": {"length": "short|<long>"}},
+    }
+    response = await client.post("/v1/chat/completions", json=body)
+    error = await error_of(response, 400)
+    assert error["param"] == "chat_template_kwargs.controls.length"
+    assert error["code"] == "chat_template_error"

@@ -102,6 +102,13 @@ def test_arbiter_prompt_on_a_sentencepiece_vocabulary_tokenizes_as_the_whole_str
     path = source if template is None else tmp_path / f"{name}.gguf"
     if template is not None:
         Vocabulary(source).write(path, template_text(template))
+    _prompt_is_the_whole_strings(path, tmp_path, capsys)
+
+
+def _prompt_is_the_whole_strings(
+    path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`arbiter prompt` on ``path`` prints a prompt whose tokens are the whole string's."""
     lines = tmp_path / "one.jsonl"
     lines.write_text(json.dumps(decision_body("d1", state={"ticket": "TCK-4410"})) + "\n")
     assert main(["prompt", str(lines), "--json", "--model", str(path)]) == 0
@@ -119,6 +126,33 @@ def test_arbiter_prompt_on_a_sentencepiece_vocabulary_tokenizes_as_the_whole_str
         assert record["tokens"] == len(whole)
     finally:
         llama.close()
+
+
+def test_gemmas_vocabulary_with_a_forced_space_prefix_reads_its_letters_and_prompts(
+    default_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 44: Gemma's SentencePiece vocabulary (the bundled Gemma 3's, under Gemma 2's chat
+    template) with ``add_space_prefix`` set. ``"\\n"`` is a user-defined token there, after which llama.cpp
+    writes the prefix again, so a letter read as it continues text after ``"\\n"`` came out
+    ``"▁A"``, and the letters were refused at load."""
+    vocabulary = Vocabulary(default_gguf)
+    vocabulary.set_bool("tokenizer.ggml.add_space_prefix", True)
+    path = vocabulary.write(
+        tmp_path / "gemma-space-prefix.gguf", template_text("google-gemma-2-2b-it")
+    )
+    llama = _load(path)
+    try:
+        vocab = llama.vocab
+        assert vocab.space_prefix
+        (newline,) = vocab.tokenize("\n", special=False).tolist()[-1:]
+        assert vocab.opens_text(newline)  # user-defined: "\nA" is "\n", "▁A" in llama.cpp
+        assert vocab.tokenize("\nA", special=False)[-1] == vocab.tokenize("A", special=False)[-1]
+        labels = Labels.of(llama)
+        for row, letter in zip(labels.token_ids, LETTERS, strict=True):
+            assert [vocab.piece_bytes(int(t)).decode() for t in row] == [letter, f" {letter}"]
+    finally:
+        llama.close()
+    _prompt_is_the_whole_strings(path, tmp_path, capsys)
 
 
 @pytest.fixture(scope="module")

@@ -220,6 +220,55 @@ def test_a_slow_stream_to_a_client_that_reads_nothing_is_dropped_within_the_idle
     assert ended and ended[0] < 12, ended
 
 
+@pytest.mark.parametrize("client", ["socket", "boto3"])
+def test_a_client_with_default_buffers_that_stops_reading_is_dropped_once_it_takes_nothing(
+    endpoint: str, client: str
+) -> None:
+    """Issue 44: with its socket's default buffers, a client that reads one event then stops
+    (a raw socket, boto3's invoke_endpoint_with_response_stream) is cut off within the idle
+    time plus 5 s once the stream outruns what its own kernel takes unread (100 KB/s here).
+    A stream slower than that buffer (~160-250 KB on Linux) cannot be told apart from a client
+    that reads: docs/sagemaker-local.md says so."""
+    idle = 2.0
+    ended: list[float] = []
+    with stand_in() as (fake, url), front(url, endpoint, stream_idle_timeout_s=idle) as api:
+
+        async def fast(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "application/jsonlines"})
+            await response.prepare(request)
+            started = time.monotonic()
+            try:
+                for _ in range(6000):  # 60 s of 1,000 bytes every 10 ms
+                    await response.write(b"x" * 999 + b"\n")
+                    await asyncio.sleep(0.01)
+            finally:
+                ended.append(time.monotonic() - started)
+            return response
+
+        fake.respond = fast
+        if client == "socket":
+            host, port = api[len("http://") :].split(":")
+            raw = socket.create_connection((host, int(port)), timeout=30)
+            raw.sendall(
+                b"POST /endpoints/arbiter/invocations-response-stream HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Length: 2\r\n\r\n{}"
+            )
+            assert raw.recv(100).startswith(b"HTTP/1.1 200")
+        else:
+            stream = runtime(api).invoke_endpoint_with_response_stream(
+                EndpointName="arbiter", Body=b"{}", ContentType="application/json"
+            )
+            assert "PayloadPart" in next(iter(stream["Body"]))
+        try:
+            deadline = time.monotonic() + 70
+            while not ended and time.monotonic() < deadline:
+                time.sleep(0.1)  # read nothing more
+        finally:
+            if client == "socket":
+                raw.close()
+    assert ended and ended[0] < idle + 5, ended
+
+
 def _runtime_env(endpoint: str, **extra: str) -> dict[str, str]:
     env = environ_without("ARBITER_", "AWS_")
     env.update(
