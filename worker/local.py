@@ -3,9 +3,10 @@
 A moto server on 127.0.0.1 stands in for S3 and SQS (unless ARBITER_AWS_ENDPOINT_URL names one),
 the bucket, queue, dead-letter queue and S3 -> SQS notification are created, and `arbiter serve`,
 `arbiter work` and `arbiter runtime` run as child processes. The ports follow one base
-(:mod:`worker.local_ports`), busy ones refused before a model loads; "up" is printed once every
-part answers, with what is still loading meanwhile (:mod:`worker.local_watch`); Ctrl-C or SIGTERM
-stops everything at any moment, a second one at once; the S3 + SQS state is kept for the next run
+(:mod:`worker.local_ports`), claimed before anything starts (a busy one, or one a second stack
+holds, refused in one line); "up" is printed once every part answers, with what is still loading
+meanwhile (:mod:`worker.local_watch`); Ctrl-C or SIGTERM stops everything at any moment, a second
+one at once; the S3 + SQS state is kept for the next run
 (:mod:`worker.local_state`), so what the stack accepted is answered after a restart.
 """
 
@@ -19,30 +20,54 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+from arbiter.ports import handed_down
 from worker import local_state
-from worker.local_ports import LocalSettings, Ports, plan
+from worker.local_ports import LocalSettings, Part, Ports, plan
 from worker.local_watch import first_exit, wait_up
 from worker.settings import WorkerSettings
 
 
-def _start_moto(port: int) -> tuple[Any, str]:
-    try:
-        from moto.server import ThreadedMotoServer
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise SystemExit(
-            "arbiter local needs moto's server: pip install 'arbiter[local]' (or set "
-            "ARBITER_AWS_ENDPOINT_URL to an S3/SQS endpoint)"
-        ) from exc
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    host, bound = server.get_host_and_port()
-    return server, f"http://{host}:{bound}"
+class _Moto:
+    """moto's S3 + SQS server in this process, serving on the socket :func:`plan` claimed (moto's
+    own ``ThreadedMotoServer`` binds again, and waits forever when it cannot)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        try:
+            from moto.moto_server.werkzeug_app import (
+                DomainDispatcherApplication,
+                MotoRequestHandler,
+                create_backend_app,
+            )
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise SystemExit(
+                "arbiter local needs moto's server: pip install 'arbiter[local]' (or set "
+                "ARBITER_AWS_ENDPOINT_URL to an S3/SQS endpoint)"
+            ) from exc
+        from werkzeug.serving import make_server
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        host, port = sock.getsockname()[:2]
+        sock.setblocking(True)
+        app = DomainDispatcherApplication(create_backend_app)
+        self._server = make_server(
+            host, port, app, threaded=True, request_handler=MotoRequestHandler, fd=sock.fileno()
+        )
+        sock.close()  # the server holds its own copy
+        self.endpoint = f"http://{host}:{port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
 
 
 async def _provision(settings: WorkerSettings) -> dict[str, str]:
@@ -75,30 +100,29 @@ def run_local(args: argparse.Namespace) -> int:
 
         check_files(engine_from_environment())
     moto = not base.aws_endpoint_url
-    ports = plan(
+    # Every port claimed and held from here: a second stack is refused now, in one line.
+    with plan(
         settings, serve=serve, runtime=not args.no_runtime, work=not args.no_work, moto=moto
-    )
-    state = settings.state_path(ports.s3.port) if ports.s3 is not None else None
-    restored = None
-    if state is not None:
-        if args.fresh:
-            local_state.discard(state)
-        else:
-            restored = local_state.load(state)  # refused in one line before anything starts
-    server = None
-    endpoint = base.aws_endpoint_url or ""
-    if ports.s3 is not None:
-        server, endpoint = _start_moto(ports.s3.port)
-    try:
-        return asyncio.run(_run(args, settings, base, ports, endpoint, (state, restored)))
-    except KeyboardInterrupt:  # before the loop's own handlers were set
-        return 130
-    finally:
-        if server is not None:
-            server.stop()
-            if state is not None:
-                kept = local_state.save(state)
-                print(f"kept the local S3 + SQS state in {state} ({kept})", flush=True)
+    ) as ports:
+        state = settings.state_path(ports.s3.port) if ports.s3 is not None else None
+        restored = None
+        if state is not None:
+            if args.fresh:
+                local_state.discard(state)
+            else:
+                restored = local_state.load(state)  # refused in one line before anything starts
+        server = _Moto(ports.s3.sock) if ports.s3 is not None and ports.s3.sock else None
+        endpoint = server.endpoint if server is not None else base.aws_endpoint_url or ""
+        try:
+            return asyncio.run(_run(args, settings, base, ports, endpoint, (state, restored)))
+        except KeyboardInterrupt:  # before the loop's own handlers were set
+            return 130
+        finally:
+            if server is not None:
+                server.stop()
+                if state is not None:
+                    kept = local_state.save(state)
+                    print(f"kept the local S3 + SQS state in {state} ({kept})", flush=True)
 
 
 def _child_env(
@@ -255,18 +279,31 @@ async def _demo(settings: WorkerSettings, path: Any) -> None:
 def _spawn(
     args: argparse.Namespace, ports: Ports, env: dict[str, str]
 ) -> dict[str, subprocess.Popen[bytes]]:
-    """The parts, by the name a user reads."""
-    commands = {}
+    """The parts, by the name a user reads; each is handed the port claimed for it, and this
+    process lets go of it (a part that dies must leave its port closed, not waiting)."""
+    commands: list[tuple[str, Part | None]] = []
     if ports.container is not None:
-        commands["the container (arbiter serve)"] = "serve"
+        commands.append(("serve", ports.container))
     if not args.no_work:
-        commands["the worker pool (arbiter work)"] = "work"
+        commands.append(("work", ports.metrics))
     if ports.runtime is not None:  # the SageMaker Runtime API; it prints its URL
-        commands["the SageMaker runtime API (arbiter runtime)"] = "runtime"
-    return {
-        name: subprocess.Popen([sys.executable, "-m", "arbiter", command], env=env)
-        for name, command in commands.items()
+        commands.append(("runtime", ports.runtime))
+    names = {
+        "serve": "the container (arbiter serve)",
+        "work": "the worker pool (arbiter work)",
+        "runtime": "the SageMaker runtime API (arbiter runtime)",
     }
+    children = {}
+    for command, part in commands:
+        socks = [part.sock] if part is not None and part.sock is not None else []
+        children[names[command]] = subprocess.Popen(
+            [sys.executable, "-m", "arbiter", command],
+            env={**env, **handed_down(socks)},
+            pass_fds=[sock.fileno() for sock in socks],
+        )
+        for sock in socks:
+            sock.close()
+    return children
 
 
 async def _stop(

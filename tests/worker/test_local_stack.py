@@ -5,6 +5,7 @@ SIGTERM stops it at any moment, the example job's wait included (issue 37, items
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import subprocess
@@ -25,8 +26,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _ports(**settings: object) -> list[int]:
-    ports = plan(LocalSettings(**settings), serve=True, runtime=True, work=True, moto=True)
-    return [part.port for part in ports.parts()]
+    with plan(LocalSettings(**settings), serve=True, runtime=True, work=True, moto=True) as ports:
+        return [part.port for part in ports.parts()]
 
 
 def test_every_port_follows_the_base_and_two_bases_share_none() -> None:
@@ -34,16 +35,16 @@ def test_every_port_follows_the_base_and_two_bases_share_none() -> None:
     assert _ports(port=a) == [a, a + 1, a + 2, a + 3]
     assert _ports(port=b) == [b, b + 1, b + 2, b + 3]
     settings = LocalSettings(port=b)
-    stack = plan(settings, serve=True, runtime=True, work=True, moto=True)
-    assert container_url(settings, stack) == f"http://127.0.0.1:{b}"  # its own container
+    with plan(settings, serve=True, runtime=True, work=True, moto=True) as stack:
+        assert container_url(settings, stack) == f"http://127.0.0.1:{b}"  # its own container
 
 
 def test_the_parts_are_told_their_ports_and_the_runtime_its_own_container() -> None:
     b = free_block()
     settings = LocalSettings(port=b)
-    stack = plan(settings, serve=True, runtime=True, work=True, moto=True)
-    args = argparse.Namespace(processes=None)
-    env = _child_env(args, settings, stack, f"http://127.0.0.1:{b + 2}")
+    with plan(settings, serve=True, runtime=True, work=True, moto=True) as stack:
+        args = argparse.Namespace(processes=None)
+        env = _child_env(args, settings, stack, f"http://127.0.0.1:{b + 2}")
     assert env["ARBITER_PORT"] == str(b) and env["ARBITER_RUNTIME_PORT"] == str(b + 1)
     assert env["ARBITER_METRICS_PORT"] == str(b + 3)
     assert env["ARBITER_AWS_ENDPOINT_URL"] == f"http://127.0.0.1:{b + 2}"
@@ -72,6 +73,36 @@ def test_a_busy_port_is_refused_naming_the_part_and_the_base() -> None:
     said = refused.value.message
     assert f"port {a + 3}" in said and "worker pool's metrics" in said and "in use" in said
     assert "ARBITER_PORT" in said
+
+
+def test_the_ports_are_held_from_the_plan_so_a_second_stack_is_refused_at_once() -> None:
+    """The plan claims the ports and keeps them until the parts take them over, so a second
+    stack's plan a moment later is refused, not passed (before: checked, then let go)."""
+    a = free_block()
+    settings = LocalSettings(port=a)
+    with plan(settings, serve=True, runtime=True, work=True, moto=True) as first:
+        assert all(part.sock is not None for part in first.parts())
+        with pytest.raises(ArbiterError) as refused:
+            plan(settings, serve=False, runtime=True, work=False, moto=False)
+        assert f"port {a + 1}" in refused.value.message and "in use" in refused.value.message
+    with plan(settings, serve=False, runtime=True, work=False, moto=False) as again:
+        assert again.runtime is not None and again.runtime.port == a + 1
+
+
+def test_a_part_adopts_the_socket_its_stack_claimed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from arbiter.ports import bind, handed_down
+
+    a = free_block()
+    with plan(LocalSettings(port=a), serve=False, runtime=True, work=False, moto=False) as stack:
+        assert stack.runtime is not None and stack.runtime.sock is not None
+        held = stack.runtime.sock
+        monkeypatch.setenv("ARBITER_LISTEN_FDS", f"{a + 1}={held.dup().detach()}")
+        assert handed_down([held]) == {"ARBITER_LISTEN_FDS": f"{a + 1}={held.fileno()}"}
+        with bind("127.0.0.1", a + 1, "the runtime API", "ARBITER_RUNTIME_PORT") as adopted:
+            assert adopted.getsockname()[1] == a + 1
+            assert "ARBITER_LISTEN_FDS" not in os.environ  # adopted once, never twice
+            with pytest.raises(ArbiterError):  # a second bind is a bind: the port is taken
+                bind("127.0.0.1", a + 1, "the runtime API", "ARBITER_RUNTIME_PORT").close()
 
 
 @pytest.mark.real_model
@@ -109,6 +140,35 @@ def test_a_busy_port_is_one_line_before_any_model_loads(command: str) -> None:
     assert len(lines) == 1 and str(taken) in lines[0] and "in use" in lines[0], done.stderr
     assert "model_loading" not in done.stdout + done.stderr
     assert time.monotonic() - started < 30
+
+
+def test_two_stacks_started_together_on_one_base_one_is_refused_in_one_line() -> None:
+    """Started 0.2 s apart, the stack that claims the ports second exits in one line, status 2,
+    within 20 s, and the other comes up (before: moto's server thread could not bind and the second
+    stack waited forever; Ctrl-C then printed a traceback). Which one claims first is the kernel's
+    choice: the first started usually, the second under load."""
+    base = free_block()
+    env = local_env(ARBITER_LOCAL_STATE_DIR="")
+    args = ["--port", str(base), "--no-serve"]
+    stacks = [Local(args, env)]
+    time.sleep(0.2)
+    stacks.append(Local(args, env))
+    started = time.monotonic()
+    try:
+        while all(s.popen.poll() is None for s in stacks) and time.monotonic() - started < 20:
+            time.sleep(0.1)
+        took = time.monotonic() - started
+        refused = [s for s in stacks if s.popen.poll() is not None]
+        assert len(refused) == 1, f"{took:.1f} s\n" + "\n---\n".join(s.text() for s in stacks)
+        running = next(s for s in stacks if s is not refused[0])
+        running.wait_for(lambda line: "arbiter local is up" in line)
+        assert running.popen.poll() is None, running.text()
+    finally:
+        codes = [s.close() for s in stacks]
+    lines = refused[0].text().strip().splitlines()
+    assert refused[0].popen.returncode == 2, refused[0].text()
+    assert len(lines) == 1 and "in use (another stack?)" in lines[0], lines
+    assert codes[stacks.index(running)] == 0, running.text()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
