@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from structlog.typing import FilteringBoundLogger
 
 from arbiter.errors import ArbiterError
 from arbiter.settings import EngineSettings, ServerSettings
+from arbiter.signals import STOP_SIGNALS
 
 
 def serve(host: str | None = None, port: int | None = None, model: Path | None = None) -> int:
@@ -132,7 +132,7 @@ async def _serve(
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     holder = app[STATE].holder
     await asyncio.wait(

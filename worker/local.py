@@ -5,9 +5,10 @@ the bucket, queue, dead-letter queue and S3 -> SQS notification are created, and
 `arbiter work` and `arbiter runtime` run as child processes. The ports follow one base
 (:mod:`worker.local_ports`), claimed before anything starts (a busy one, or one a second stack
 holds, refused in one line); "up" is printed once every part answers, with what is still loading
-meanwhile (:mod:`worker.local_watch`); Ctrl-C or SIGTERM stops everything at any moment, a second
-one at once; the S3 + SQS state is kept for the next run
-(:mod:`worker.local_state`), so what the stack accepted is answered after a restart.
+meanwhile (:mod:`worker.local_watch`); Ctrl-C, SIGTERM or SIGHUP (a closed terminal:
+:mod:`worker.local_terminal`) stops everything at any moment, a second one at once; the S3 + SQS
+state is kept for the next run (:mod:`worker.local_state`), so what the stack accepted is answered
+after a restart, and a stop that cannot keep it names each request lost.
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from arbiter.ports import handed_down
+from arbiter.signals import STOP_SIGNALS
 from worker import local_state
 from worker.local_ports import LocalSettings, Part, Ports, plan
+from worker.local_terminal import outliving_terminal
 from worker.local_watch import first_exit, wait_up
 from worker.settings import WorkerSettings
 
@@ -88,7 +92,40 @@ def local_settings(args: argparse.Namespace) -> LocalSettings:
     return LocalSettings().model_copy(update={k: v for k, v in updates.items() if v is not None})
 
 
+class _Stopped(BaseException):
+    """A stop signal that came while the event loop was not there to take it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals(handler: Any) -> Iterator[None]:
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, was in previous.items():
+            signal.signal(sig, was)
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise _Stopped(signum)
+
+
 def run_local(args: argparse.Namespace) -> int:
+    """The stack until a stop signal (SIGINT, SIGTERM, SIGHUP) or a part's exit. Outside the event
+    loop a stop signal ends the start at once (128 + its number), with what was started stopped
+    and kept; the state's save is not interrupted."""
+    with outliving_terminal(), _signals(_raise_stopped):
+        try:
+            return _run_local(args)
+        except _Stopped as stopped:
+            return 128 + stopped.signum
+
+
+def _run_local(args: argparse.Namespace) -> int:
     settings = local_settings(args)
     base = WorkerSettings()
     serve = not args.no_serve and importlib.util.find_spec("adapter.app") is not None
@@ -113,16 +150,37 @@ def run_local(args: argparse.Namespace) -> int:
                 restored = local_state.load(state)  # refused in one line before anything starts
         server = _Moto(ports.s3.sock) if ports.s3 is not None and ports.s3.sock else None
         endpoint = server.endpoint if server is not None else base.aws_endpoint_url or ""
+        code = 1
         try:
-            return asyncio.run(_run(args, settings, base, ports, endpoint, (state, restored)))
-        except KeyboardInterrupt:  # before the loop's own handlers were set
-            return 130
+            code = asyncio.run(_run(args, settings, base, ports, endpoint, (state, restored)))
         finally:
             if server is not None:
-                server.stop()
-                if state is not None:
-                    kept = local_state.save(state)
-                    print(f"kept the local S3 + SQS state in {state} ({kept})", flush=True)
+                with _signals(signal.SIG_IGN):  # a save cut short would lose the run's state
+                    server.stop()
+                    if not _keep(state):
+                        code = code or 1
+        return code
+
+
+def _keep(state: Path | None) -> bool:
+    """The S3 + SQS state saved for the next run, or each request lost with it named; False if
+    it could not be saved."""
+    if state is None:
+        why = "the local S3 + SQS state is not kept between runs"
+    else:
+        try:
+            kept = local_state.save(state)
+        except Exception as exc:  # a full disk, a path made unusable: say what is lost
+            why = f"could not keep the local S3 + SQS state in {state} ({exc})"
+        else:
+            print(f"kept the local S3 + SQS state in {state} ({kept})", flush=True)
+            return True
+    lost = local_state.unanswered()
+    if lost:
+        why += f"; lost with it, {len(lost)} accepted and not yet answered:"
+    if lost or state is not None:  # not kept, and nothing lost: the start line said so
+        print("\n  ".join([f"arbiter local: {why}", *lost]), flush=True)
+    return state is None
 
 
 def _child_env(
@@ -165,7 +223,7 @@ async def _run(
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:  # a closed terminal's SIGHUP too: the state is kept as for Ctrl-C
         loop.add_signal_handler(sig, stop.set)
     worker_settings = base.model_copy(update={"aws_endpoint_url": endpoint})
     env = _child_env(args, settings, ports, endpoint)

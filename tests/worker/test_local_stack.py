@@ -171,13 +171,16 @@ def test_two_stacks_started_together_on_one_base_one_is_refused_in_one_line() ->
     assert codes[stacks.index(running)] == 0, running.text()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name
+)
 def test_a_signal_stops_the_stack_while_it_waits_for_the_example_job(
     sig: signal.Signals, tmp_path: object
 ) -> None:
     """The worker's engine takes 60 s a decision, so the example job is still running when the
     signal comes: the stack stops within 10 s, its parts with it, status 0 (before: SIGINT and
-    SIGTERM were ignored for up to 15 minutes)."""
+    SIGTERM were ignored for up to 15 minutes). SIGHUP goes to the whole job, as a shell sends it
+    when its terminal closes (before: each process died of it, the job's message left held)."""
     env = local_env(ARBITER_FAKE_DELAY_S="60")
     stack = Local(
         ["--port", "0", "--no-serve", "--no-runtime", "--submit", "examples/job.jsonl"], env
@@ -186,7 +189,10 @@ def test_a_signal_stops_the_stack_while_it_waits_for_the_example_job(
         stack.wait_for(lambda line: "arbiter local is up" in line)
         stack.wait_for(lambda line: line.startswith("waiting for s3://"))
         time.sleep(1.0)  # the job is taken, its first chunk computing
-        stack.popen.send_signal(sig)
+        if sig == signal.SIGHUP:
+            stack.signal_group(sig)
+        else:
+            stack.popen.send_signal(sig)
         started = time.monotonic()
         code = stack.popen.wait(timeout=30)
         took = time.monotonic() - started
@@ -241,3 +247,23 @@ async def test_the_job_queue_takes_changed_settings_and_keeps_its_messages(endpo
     assert again["queue_url"] == first["queue_url"]
     assert got["Attributes"]["VisibilityTimeout"] == "90"
     assert "kept" in bodies
+
+
+def test_the_stacks_own_lines_outlive_a_closed_terminal() -> None:
+    """A write the closed terminal (here: a pipe nobody reads) refuses sends that stream and what
+    follows to /dev/null, instead of raising in the middle of a stop."""
+    import io
+
+    from worker.local_terminal import Outliving
+
+    read, write = os.pipe()
+    os.close(read)
+    stream = io.TextIOWrapper(io.FileIO(write, "w"), line_buffering=False)
+    out = Outliving(stream)
+    out.write("arbiter local: stopping\n")
+    out.flush()  # EPIPE
+    assert out.lost
+    out.write("kept the local S3 + SQS state\n")
+    out.flush()
+    assert os.readlink(f"/proc/self/fd/{write}") == os.devnull
+    stream.close()
