@@ -203,6 +203,41 @@ def test_a_signal_stops_the_stack_while_it_waits_for_the_example_job(
     assert "pool.stopped" in stack.text()
 
 
+def _gone(group: int, within_s: float) -> bool:
+    """Whether every process of ``group`` has exited within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.real_model
+def test_a_stop_while_the_model_loads_ends_every_process_within_8_s() -> None:
+    """Ctrl-C (SIGINT to the job) while the container loads the bundled model, in its read check
+    (2-13 s here): the load is cancelled, every process gone within 8 s, status 0 (before: the
+    container finished its load first, 23 s with the 1.5B, and was killed at the drain deadline,
+    status 1)."""
+    stack = Local(["--port", "0", "--no-runtime"], local_env())  # the pool's engine: a fake one
+    try:
+        stack.wait_for(lambda line: "read_check_started" in line)
+        stack.signal_group(signal.SIGINT)
+        started = time.monotonic()
+        code = stack.popen.wait(timeout=60)
+        gone = _gone(stack.popen.pid, 60)
+        took = time.monotonic() - started
+    finally:
+        stack.close()
+    text = stack.text()
+    assert gone and took < 8, f"{took:.1f} s\n{text}"
+    assert code in (0, 130), text
+    assert "model_load_cancelled" in text and "model_loaded" not in text, text
+    assert "Traceback" not in text, text
+
+
 def test_up_is_said_once_the_parts_answer_and_a_part_that_dies_stops_the_stack() -> None:
     env = local_env(ARBITER_RUNTIME_ENDPOINT_NAME="not_a_name")  # the runtime refuses to start
     stack = Local(["--port", "0", "--no-serve"], env)
