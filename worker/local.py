@@ -239,7 +239,8 @@ async def _run(
         if done is up:
             _say_up(worker_settings, stack, endpoint, up.result())
             if args.submit is not None:
-                demo = asyncio.create_task(_demo(worker_settings, args.submit))
+                container = container_url(settings, ports) if ports.container else None
+                demo = asyncio.create_task(_demo(worker_settings, args.submit, container))
                 await _first(demo, exited, stopped)
             await _first(exited, stopped)
         crashed = exited.done() and not stop.is_set()
@@ -299,8 +300,9 @@ def _say_up(settings: WorkerSettings, stack: dict[str, str], endpoint: str, seco
     )
 
 
-async def _demo(settings: WorkerSettings, path: Any) -> None:
-    """Submit a job the way `arbiter submit` does and show what came back."""
+async def _demo(settings: WorkerSettings, path: Any, container: str | None) -> None:
+    """Submit a job the way `arbiter submit` does and show what came back; the last line names
+    this stack's own container (``container``: its URL, None when it has none)."""
     from aiobotocore.session import get_session
 
     from worker.submit import submit
@@ -331,7 +333,8 @@ async def _demo(settings: WorkerSettings, path: Any) -> None:
             else {"error": outcome["code"]}
         )
         print(f"  line {record['line']} {record['id']}: {json.dumps(brief)}", flush=True)
-    print("the stack keeps running (curl localhost:8080/ping); Ctrl-C stops it.", flush=True)
+    ping = f" (curl {container}/ping)" if container else ""
+    print(f"the stack keeps running{ping}; Ctrl-C stops it.", flush=True)
 
 
 def _spawn(

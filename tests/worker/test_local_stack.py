@@ -238,6 +238,21 @@ def test_a_stop_while_the_model_loads_ends_every_process_within_8_s() -> None:
     assert "Traceback" not in text, text
 
 
+@pytest.mark.real_model
+def test_the_example_jobs_last_line_names_this_stacks_own_container() -> None:
+    """`--submit`'s last line says where to curl: this stack's container, not localhost:8080
+    whatever the port."""
+    base = free_block()
+    args = ["--port", str(base), "--no-runtime", "--submit", "examples/job.jsonl"]
+    stack = Local(args, local_env(ARBITER_LOCAL_STATE_DIR=""))
+    try:
+        last = stack.wait_for(lambda line: line.startswith("the stack keeps running"), 300)
+    finally:
+        code = stack.close()
+    assert f"(curl http://127.0.0.1:{base}/ping)" in last and ":8080" not in last, last
+    assert "job summary:" in stack.text() and code == 0, stack.text()
+
+
 def test_up_is_said_once_the_parts_answer_and_a_part_that_dies_stops_the_stack() -> None:
     env = local_env(ARBITER_RUNTIME_ENDPOINT_NAME="not_a_name")  # the runtime refuses to start
     stack = Local(["--port", "0", "--no-serve"], env)
