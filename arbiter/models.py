@@ -231,6 +231,23 @@ def verify_attachment(attachment: Attachment, what: str) -> str:
     return actual
 
 
+def require_weights(path: Path) -> None:
+    """Refuse a GGUF without tensors (a vocabulary-only file, as llama.cpp's
+    ``models/ggml-vocab-*.gguf``) in words: llama.cpp only says it could not load it. The first
+    file of a split model may hold none (``split.count``): its weights are in the others."""
+    from arbiter.gguf_info import GGUFError, read_header
+
+    try:
+        header = read_header(path)
+    except (GGUFError, OSError):
+        return  # not read here: llama.cpp's load says what it can
+    if not header.tensors and header.floats.get("split.count", 1) <= 1:
+        raise ModelLoadError(
+            f"refusing to start: {path} holds no weights (no tensors: a vocabulary-only GGUF, "
+            "which can tokenize but not decide); set ARBITER_MODEL to a model with its weights"
+        )
+
+
 def verify(resolved: ResolvedModel, cancel: threading.Event | None = None) -> str:
     """Hash the file once (streamed) and refuse it when it differs from what was promised."""
     actual = sha256_file(resolved.path, cancel)

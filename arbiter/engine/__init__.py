@@ -49,7 +49,7 @@ from arbiter.engine.scoring import Scoring, context_sequences
 from arbiter.errors import ContextLengthExceeded, InvalidDecision, LoadCancelled
 from arbiter.logging import get_logger
 from arbiter.lora import resolve_adapters, weights_id
-from arbiter.models import BUNDLED_NOTICE, ResolvedModel, resolve_model, verify
+from arbiter.models import BUNDLED_NOTICE, ResolvedModel, require_weights, resolve_model, verify
 from arbiter.profiles import resolve_profile
 from arbiter.schema import AdapterInfo, DecisionRequest, ModelInfo
 from arbiter.scorer import Outcome
@@ -437,6 +437,7 @@ def check_files(settings: EngineSettings) -> ResolvedModel:
     adapters, its prompt profile, its calibration), found without llama.cpp: a server checks
     before it binds its port, a pool before it spawns its workers."""
     resolved = resolve_model(settings.model, settings.model_dir)
+    require_weights(resolved.path)
     resolve_adapters(settings.lora, resolved, settings.model_dir)
     resolve_profile(settings.prompt_profile, resolved)
     if settings.calibration is not None:

@@ -24,6 +24,7 @@ from arbiter.engine.batch import NumpyBatch
 from arbiter.engine.vocabulary import Vocabulary
 from arbiter.errors import EngineFailure, LoadCancelled, ModelLoadError
 from arbiter.gguf_info import FILE_TYPES
+from arbiter.models import require_weights
 from arbiter.settings import EngineSettings
 
 LLAMA_CPP_PYTHON_VERSION: str = getattr(llama_cpp, "__version__", "unknown")
@@ -92,6 +93,8 @@ class Llama:
                 f"n_gpu_layers={s.n_gpu_layers} was asked for, but this llama.cpp build has no GPU "
                 "backend; set ARBITER_N_GPU_LAYERS=0 or use the CUDA image"
             )
+        if not vocab_only:
+            require_weights(self.path)
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = 10_000 if s.n_gpu_layers < 0 else s.n_gpu_layers
         mparams.vocab_only = vocab_only
