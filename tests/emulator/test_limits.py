@@ -165,9 +165,10 @@ def test_custom_attributes_are_ascii_in_and_passed_back_byte_for_byte(endpoint: 
     assert len(fake.seen) == 1
 
 
-def test_no_content_type_is_invented(endpoint: str) -> None:
-    """A call without ContentType reaches the container without one, on all three operations
-    (SageMaker passes the API's headers; aiohttp would otherwise add application/octet-stream)."""
+def test_no_header_is_invented(endpoint: str) -> None:
+    """A call without ContentType or Accept reaches the container without them, nor any header
+    the caller did not send, on all three operations (SageMaker passes the API's headers; aiohttp
+    would otherwise add application/octet-stream, ``Accept: */*``, Accept-Encoding, User-Agent)."""
     s3 = make_bucket(endpoint)
     with stand_in() as (fake, url), front(url, endpoint) as api:
         client = runtime(api)
@@ -184,3 +185,8 @@ def test_no_content_type_is_invented(endpoint: str) -> None:
     sent = [entry["headers"] for entry in fake.seen]
     assert len(sent) == 3
     assert [h.get("Content-Type") for h in sent] == [None, None, None]
+    transport = {"Host", "Content-Length", "Transfer-Encoding"}
+    # SageMaker's own: an async request always has an inference id (made when none was given)
+    ours = {"X-Amzn-SageMaker-Inference-Id"}
+    assert [sorted(set(h) - transport) for h in sent[:2]] == [[], []], sent
+    assert sorted(set(sent[2]) - transport - ours) == [], sent
