@@ -1,16 +1,19 @@
 """The HTTP service: a SageMaker inference container and a local decision API (aiohttp).
 
 ``create_app(settings, engine_factory)`` builds the app; the engine is loaded in a thread at start-up
-(``/ping`` answers 503 until it is ready) and every model call runs off the event loop through the
-admission control (``adapter.admission``). ``ROUTES`` is the route table, one module per route family;
+(``/ping`` answers 503 until it is ready), and a shutdown during the load cancels it rather than
+waiting for it (``load_cancel``); every model call runs off the event loop through the admission
+control (``adapter.admission``). ``ROUTES`` is the route table, one module per route family;
 errors become responses in one middleware (``adapter.middleware``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -137,14 +140,18 @@ def create_app(
     metrics: Metrics | None = None,
     *,
     close_engine: bool = True,
+    load_cancel: threading.Event | None = None,
 ) -> web.Application:
     """The aiohttp app. ``engine_factory`` builds the engine (in a thread, at start-up); the app
-    closes it at shutdown unless ``close_engine`` is False (an engine shared across apps)."""
+    closes it at shutdown unless ``close_engine`` is False (an engine shared across apps). A
+    shutdown while it loads sets ``load_cancel``, which the factory's engine watches (``Engine``'s
+    ``cancel``): the default factory's does."""
     settings = settings or ServerSettings()
+    load_cancel = load_cancel or threading.Event()
     if engine_factory is None:
         from arbiter.engine import open_engine
 
-        engine_factory = open_engine
+        engine_factory = partial(open_engine, cancel=load_cancel)
     app_metrics = metrics or Metrics()
     admission = Admission(
         settings.max_in_flight,
@@ -156,7 +163,7 @@ def create_app(
     )
     app_metrics.in_flight.set_function(lambda: admission.in_flight)
     app_metrics.queued.set_function(lambda: admission.queued)
-    holder = EngineHolder(engine_factory)
+    holder = EngineHolder(engine_factory, load_cancel)
     app_metrics.prefix_cache_bytes.set_function(lambda: _cache_bytes(holder))
     state = State(
         settings=settings,
@@ -208,7 +215,9 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
 
     task = asyncio.create_task(load())
     yield
-    await task  # a load still running finishes before the engine can be closed
+    if not task.done():
+        state.holder.cancel()  # a stop while it loads: the load is cancelled, not awaited
+    await task  # ends within a fraction of a second of the cancel (or at once: it is over)
     engine = state.holder.engine
     if engine is not None:
         state.metrics.model_ready.set(0)

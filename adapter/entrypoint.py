@@ -150,7 +150,7 @@ def preflight(
     from arbiter.engine.backends import load_backends, route_llama_logs
     from arbiter.engine.prompting import check_prompts, check_template
     from arbiter.lora import resolve_adapters
-    from arbiter.models import _find_in_dir, resolve_model, verify
+    from arbiter.models import _find_in_dir, require_weights, resolve_model, verify
     from arbiter.profiles import DEFAULT_PROFILE, resolve_profile
     from arbiter.settings import from_environment
 
@@ -173,6 +173,7 @@ def preflight(
                 settings.model_data_url, engine.model_dir, s3_client, settings.aws_endpoint_url
             )
         resolved = resolve_model(engine.model, engine.model_dir)
+        require_weights(resolved.path)
         sha256 = verify(resolved) if settings.preflight_sha256 else None
         # The prompt profile, and a profile's own labels against the model's vocabulary (no
         # weights loaded; the built-in's letters are checked by the engine's load as before).

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from structlog.typing import FilteringBoundLogger
 
 from arbiter.errors import ArbiterError
 from arbiter.settings import EngineSettings, ServerSettings
+from arbiter.signals import STOP_SIGNALS
 
 
 def serve(host: str | None = None, port: int | None = None, model: Path | None = None) -> int:
@@ -112,7 +113,12 @@ async def _serve(
     def progress(event: str, fields: dict[str, Any]) -> None:  # each step of the load, as it starts
         log.info(event, **fields)
 
-    app = create_app(server_settings, lambda: Engine(engine_settings, progress=progress))
+    cancel = threading.Event()  # a stop while the model loads cancels the load
+    app = create_app(
+        server_settings,
+        lambda: Engine(engine_settings, progress=progress, cancel=cancel),
+        load_cancel=cancel,
+    )
     # handler_cancellation: a client that disconnects cancels its handler, so it leaves the queue.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -132,7 +138,7 @@ async def _serve(
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     holder = app[STATE].holder
     await asyncio.wait(
@@ -145,6 +151,8 @@ async def _serve(
         code = 1
     else:
         await stop.wait()
-        log.info("shutting down")
+        loading = not holder.loaded.is_set()
+        log.info("shutting down", model_load="cancelled" if loading else "done")
+        holder.cancel()  # a load still running stops within a fraction of a second
     await runner.cleanup()
     return code

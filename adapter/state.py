@@ -7,6 +7,7 @@ settings, engine and metrics side by side).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from aiohttp import web
 from adapter.admission import Admission
 from adapter.metrics import Metrics
 from arbiter.engine import Engine
-from arbiter.errors import ArbiterError, ModelNotReady
+from arbiter.errors import ArbiterError, LoadCancelled, ModelNotReady
 from arbiter.logging import get_logger
 from arbiter.settings import ServerSettings
 
@@ -34,18 +35,33 @@ class Throughput:
 
 
 class EngineHolder:
-    """Owns the engine's lifetime: loaded in a thread at start-up, closed at shutdown."""
+    """Owns the engine's lifetime: loaded in a thread at start-up, closed at shutdown; a load
+    still running at shutdown is cancelled through ``cancel_event``, which the factory's engine
+    watches."""
 
-    def __init__(self, factory: Callable[[], Engine]) -> None:
+    def __init__(
+        self, factory: Callable[[], Engine], cancel_event: threading.Event | None = None
+    ) -> None:
         self._factory = factory
+        self.cancel_event = cancel_event or threading.Event()
         self.engine: Engine | None = None
         self.error: BaseException | None = None
         self.loaded = asyncio.Event()
+
+    def cancel(self) -> None:
+        self.cancel_event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return isinstance(self.error, LoadCancelled)
 
     async def load(self) -> None:
         started = time.perf_counter()
         try:
             self.engine = await asyncio.to_thread(self._factory)
+        except LoadCancelled as exc:
+            self.error = exc
+            log.info("model_load_cancelled", seconds=round(time.perf_counter() - started, 3))
         except Exception as exc:
             self.error = exc
             # A refusal says what is wrong in its message; anything else keeps its traceback.

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, ClassVar
 
 
@@ -186,6 +187,19 @@ class ModelNotReady(Unavailable):
     """The model is still loading."""
 
     code = "model_not_ready"
+
+
+class LoadCancelled(Unavailable):
+    """The model's load was stopped part-way: its server is stopping (a stop signal while it
+    loaded), so the load is abandoned rather than awaited."""
+
+    code = "model_load_cancelled"
+
+    @classmethod
+    def check(cls, cancel: threading.Event | None) -> None:
+        """Raised here once ``cancel`` is set: the load's checkpoints call it."""
+        if cancel is not None and cancel.is_set():
+            raise cls("the server is stopping: the model's load was cancelled")
 
 
 class UnsupportedSetting(ModelLoadError):

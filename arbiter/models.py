@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arbiter.errors import ManifestMismatch, ModelLoadError
+from arbiter.errors import LoadCancelled, ManifestMismatch, ModelLoadError
 
 MANIFEST_NAME = "model-manifest.json"
 IMAGE_MODEL_DIR = Path("/opt/arbiter/model")
@@ -48,10 +49,12 @@ class ResolvedModel:
     loras: tuple[Attachment, ...] = ()  # the manifest's adapters
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, cancel: threading.Event | None = None) -> str:
+    """``path``'s sha256, read in blocks; ``LoadCancelled`` between two once ``cancel`` is set."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         while block := handle.read(_BLOCK):
+            LoadCancelled.check(cancel)
             digest.update(block)
     return digest.hexdigest()
 
@@ -228,9 +231,26 @@ def verify_attachment(attachment: Attachment, what: str) -> str:
     return actual
 
 
-def verify(resolved: ResolvedModel) -> str:
+def require_weights(path: Path) -> None:
+    """Refuse a GGUF without tensors (a vocabulary-only file, as llama.cpp's
+    ``models/ggml-vocab-*.gguf``) in words: llama.cpp only says it could not load it. The first
+    file of a split model may hold none (``split.count``): its weights are in the others."""
+    from arbiter.gguf_info import GGUFError, read_header
+
+    try:
+        header = read_header(path)
+    except (GGUFError, OSError):
+        return  # not read here: llama.cpp's load says what it can
+    if not header.tensors and header.floats.get("split.count", 1) <= 1:
+        raise ModelLoadError(
+            f"refusing to start: {path} holds no weights (no tensors: a vocabulary-only GGUF, "
+            "which can tokenize but not decide); set ARBITER_MODEL to a model with its weights"
+        )
+
+
+def verify(resolved: ResolvedModel, cancel: threading.Event | None = None) -> str:
     """Hash the file once (streamed) and refuse it when it differs from what was promised."""
-    actual = sha256_file(resolved.path)
+    actual = sha256_file(resolved.path, cancel)
     if resolved.expected_sha256 is not None and actual != resolved.expected_sha256:
         raise ManifestMismatch(
             f"refusing to start: {resolved.path} has sha256 {actual}, but its manifest expects "

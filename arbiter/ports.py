@@ -4,11 +4,17 @@
 25-line traceback; the pool's metrics port and the runtime API did the same. Each now binds its
 socket first and serves on it (aiohttp's ``SockSite``), so a busy port is one line, status 2,
 naming the variable that moves it, before a model loads or a queue is touched.
+
+A parent that claimed a part's port itself (``arbiter local`` holds every port of its stack from
+before anything starts, so two stacks started together cannot both pass the check) hands the
+listening socket down: ``ARBITER_LISTEN_FDS`` maps a port to an inherited descriptor, and
+:func:`bind` adopts it instead of binding again.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import random
 import socket
 from collections.abc import Collection
@@ -18,10 +24,15 @@ from arbiter.errors import ArbiterError
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_SPARE = 10_000
+INHERITED = "ARBITER_LISTEN_FDS"  # "PORT=FD,...": sockets a parent bound and passed down
 
 
 def bind(host: str, port: int, what: str, variable: str) -> socket.socket:
-    """A socket bound to ``host:port`` (0: a free port), listening; ArbiterError if it cannot be."""
+    """A socket bound to ``host:port`` (0: a free port), listening; ArbiterError if it cannot be.
+    One a parent handed down for ``port`` is adopted (once) instead."""
+    inherited = _adopt(port)
+    if inherited is not None:
+        return inherited
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -33,6 +44,28 @@ def bind(host: str, port: int, what: str, variable: str) -> socket.socket:
         raise ArbiterError(
             f"cannot listen on {host}:{port} for {what}: the port is {why(exc)}; set {variable}"
         ) from exc
+    sock.setblocking(False)
+    return sock
+
+
+def handed_down(socks: Collection[socket.socket]) -> dict[str, str]:
+    """The environment that has a child adopt ``socks`` (pass their descriptors too)."""
+    return {INHERITED: ",".join(f"{s.getsockname()[1]}={s.fileno()}" for s in socks)}
+
+
+def _adopt(port: int) -> socket.socket | None:
+    """The listening socket inherited for ``port``, taken out of the environment so that nothing
+    in this process (or a process it starts) adopts the same descriptor twice."""
+    entries = [e.partition("=") for e in os.environ.get(INHERITED, "").split(",") if e]
+    found = [fd for p, _, fd in entries if port and p == str(port)]
+    if not found:
+        return None
+    rest = ",".join(f"{p}={fd}" for p, _, fd in entries if p != str(port))
+    if rest:
+        os.environ[INHERITED] = rest
+    else:
+        del os.environ[INHERITED]
+    sock = socket.socket(fileno=int(found[0]))
     sock.setblocking(False)
     return sock
 

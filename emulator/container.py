@@ -4,7 +4,9 @@ SageMaker strips every request header but the ones its API names and maps them o
 request (``InvokeEndpoint``'s ``Content-Type`` and ``Accept``; the async and streaming operations'
 ``X-Amzn-SageMaker-Content-Type`` / ``-Accept``), passes ``X-Amzn-SageMaker-Custom-Attributes`` and
 ``-Inference-Id`` through, and on the way back keeps only the content type and the custom
-attributes the container set.
+attributes the container set. What the caller did not send is not invented: aiohttp's own
+``Accept: */*``, ``Accept-Encoding`` and ``User-Agent`` are left off (a container that negotiates
+on ``Accept`` would read ``*/*`` as the caller's choice).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import aiohttp
 
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 INFERENCE_ID = "X-Amzn-SageMaker-Inference-Id"
+INVENTED = ("Accept", "Accept-Encoding", "User-Agent")  # aiohttp's own; a caller's Accept is sent
 
 
 class ContainerUnreachable(Exception):
@@ -80,9 +83,9 @@ class Container:
         """The container's response with its headers read; the body is the caller's to read within
         the same ``timeout_s`` (``asyncio.TimeoutError`` past it)."""
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        # SageMaker passes the caller's content type, and invents none when there was none
-        # (aiohttp would add application/octet-stream to a body without one).
-        skip = () if invocation.content_type is not None else ("Content-Type",)
+        # SageMaker passes the caller's headers, and invents none (aiohttp would add Accept,
+        # Accept-Encoding, User-Agent, and application/octet-stream to a body without a type).
+        skip = INVENTED if invocation.content_type is not None else (*INVENTED, "Content-Type")
         try:
             async with self.session.post(
                 self.url,

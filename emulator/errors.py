@@ -129,6 +129,8 @@ async def errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """The one place an error becomes a response; anything unexpected is an InternalFailure."""
     try:
         response: web.StreamResponse = await handler(request)
+    except RequestTimeout as exc:
+        return await _closing(request, exc.response())
     except RuntimeApiError as exc:
         return exc.response()
     except web.HTTPNotFound:
@@ -142,4 +144,15 @@ async def errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
         get_logger("arbiter.runtime").error("internal_failure", error=repr(exc), exc_info=exc)
         return InternalFailure("An internal failure occurred; see the front's log.").response()
+    return response
+
+
+async def _closing(request: web.Request, response: web.Response) -> web.Response:
+    """``response`` sent, then its connection closed at once: the rest of a body too slow to
+    arrive is not waited for (aiohttp lingers up to 10 s for it, the connection held open)."""
+    response.force_close()  # Connection: close
+    await response.prepare(request)
+    await response.write_eof()
+    if request.protocol is not None:
+        request.protocol.force_close()  # what was written goes out first, then the close
     return response

@@ -110,8 +110,13 @@ def body_maximum(operation: str) -> int | None:
 
 
 def output_body_maximum(operation: str) -> int | None:
-    body = service_model().operation_model(operation).output_shape.members.get("Body")
-    return None if body is None else body.metadata.get("max")
+    return output_maximum(operation, "Body")
+
+
+def output_maximum(operation: str, member: str) -> int | None:
+    """The modelled maximum of an output member (``CustomAttributes``: 1,024 characters)."""
+    shape = service_model().operation_model(operation).output_shape.members.get(member)
+    return None if shape is None else shape.metadata.get("max")
 
 
 def check(operation: str, headers: Mapping[str, str], uri: Mapping[str, str]) -> None:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from arbiter.settings import MB
+from emulator.container import INVENTED
 from emulator.dataprocessing import DataProcessing, RecordFailed
 from emulator.s3io import READ_BYTES, ObjectWriter, S3Uri
 from emulator.splits import (
@@ -157,7 +158,11 @@ class Transform:
             # Sent in slices (flow-controlled: a 100 MB write would be copied into the
             # transport's buffer), the answer gathered into one buffer (read() joins a copy).
             async with self.http.post(
-                self.url, data=slices(payload), headers=headers, timeout=self.timeout
+                self.url,
+                data=slices(payload),
+                headers=headers,
+                timeout=self.timeout,
+                skip_auto_headers=INVENTED,
             ) as response:
                 body = bytearray()
                 async for chunk in response.content.iter_chunked(READ_BYTES):
@@ -283,7 +288,11 @@ class Transform:
             writer = ObjectWriter(self.s3, output, self.job.accept)
             try:
                 async with self.http.post(
-                    self.url, data=body, headers=headers, timeout=self.timeout
+                    self.url,
+                    data=body,
+                    headers=headers,
+                    timeout=self.timeout,
+                    skip_auto_headers=INVENTED,
                 ) as response:
                     if response.status >= 400:
                         raise self._refused(response.status, await response.content.read(300))

@@ -86,6 +86,20 @@ def _model_error(front: Front, status: int, body: bytes) -> ModelError:
     )
 
 
+def _attributes_back(front: Front, operation: str, attributes: str | None) -> str | None:
+    """The container's custom attributes, as the operation returns them: at most 1,024
+    characters (botocore's model). Longer is the model's fault, answered as ModelError (AWS
+    documents the limit, not what it does past it), never passed back whole."""
+    most = limits.output_maximum(operation, "CustomAttributes")
+    if attributes is not None and most is not None and len(attributes) > most:
+        message = (
+            f"the model's {CUSTOM_ATTRIBUTES} is {len(attributes)} characters; {operation} "
+            f"returns at most {most}"
+        )
+        raise _model_error(front, 0, message.encode())
+    return attributes
+
+
 def _reply_headers(variant: str, custom_attributes: str | None) -> dict[str, str]:
     headers = {INVOKED_VARIANT: variant, "x-amzn-RequestId": request_id()}
     if custom_attributes is not None:
@@ -123,7 +137,8 @@ async def invoke_endpoint(request: web.Request) -> web.Response:
         ) from exc
     if reply.status >= 400:
         raise _model_error(front, reply.status, reply.body)
-    headers = _reply_headers(spec.variant, reply.custom_attributes)
+    attributes = _attributes_back(front, "InvokeEndpoint", reply.custom_attributes)
+    headers = _reply_headers(spec.variant, attributes)
     if reply.content_type is not None:
         headers["Content-Type"] = reply.content_type
     return web.Response(status=200, body=reply.body, headers=headers)
@@ -165,7 +180,8 @@ async def _stream(
             if reply.status >= 400:
                 raise _model_error(front, reply.status, await reply.read())
             content_type, attributes = passed_back(reply)
-            headers = _reply_headers(spec.variant, attributes)
+            operation = "InvokeEndpointWithResponseStream"
+            headers = _reply_headers(spec.variant, _attributes_back(front, operation, attributes))
             headers["Content-Type"] = eventstream.CONTENT_TYPE
             if content_type is not None:
                 headers["X-Amzn-SageMaker-Content-Type"] = content_type

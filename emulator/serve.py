@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 
+from arbiter.signals import STOP_SIGNALS
 from emulator.settings import RuntimeSettings
 
 
@@ -60,7 +60,7 @@ async def _serve(settings: RuntimeSettings) -> int:
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await runner.cleanup()

@@ -463,9 +463,16 @@ MUTATIONS = (
     Mutation(
         "no-content-type-invented",
         "emulator/container.py",
-        'skip = () if invocation.content_type is not None else ("Content-Type",)',
+        'skip = INVENTED if invocation.content_type is not None else (*INVENTED, "Content-Type")',
         "skip: tuple[str, ...] = ()",
-        ("tests/emulator/test_limits.py::test_no_content_type_is_invented",),
+        ("tests/emulator/test_limits.py::test_no_header_is_invented",),
+    ),
+    Mutation(
+        "no-accept-invented",
+        "emulator/container.py",
+        'INVENTED = ("Accept", "Accept-Encoding", "User-Agent")',
+        "INVENTED: tuple[str, ...] = ()",
+        ("tests/emulator/test_limits.py::test_no_header_is_invented",),
     ),
     Mutation(
         "endpoint-modes",
@@ -527,8 +534,8 @@ MUTATIONS = (
     Mutation(
         "transform-split-none-streamed",
         "emulator/objects.py",
-        "self.url, data=body, headers=headers, timeout=self.timeout",
-        'self.url, data=b"".join([c async for c in body]), headers=headers, timeout=self.timeout',
+        "                    data=body,\n",
+        '                    data=b"".join([c async for c in body]),\n',
         (STREAMING + "test_split_none_payload_0_streams_a_large_object_in_bounded_memory",),
     ),
     Mutation(
@@ -1558,8 +1565,8 @@ MUTATIONS = (
     Mutation(
         "serve-says-its-load-steps",
         "adapter/serve.py",
-        "Engine(engine_settings, progress=progress)",
-        "Engine(engine_settings)",
+        "Engine(engine_settings, progress=progress, cancel=cancel)",
+        "Engine(engine_settings, cancel=cancel)",
         (
             "tests/emulator/test_local.py::"
             "test_two_stacks_side_by_side_each_answer_with_their_own_model",
@@ -1592,6 +1599,134 @@ MUTATIONS = (
         (
             "tests/worker/test_local_stack.py::"
             "test_a_component_variable_still_wins_and_base_zero_picks_free_ports",
+        ),
+    ),
+    # Issue 44: two stacks at once, every stop keeping what was accepted, a stop while loading.
+    Mutation(
+        "local-ports-held-from-the-plan",
+        "worker/local_ports.py",
+        "                port = int(sock.getsockname()[1])\n",
+        "                port = int(sock.getsockname()[1])\n                sock.close()\n",
+        (
+            "tests/worker/test_local_stack.py::"
+            "test_the_ports_are_held_from_the_plan_so_a_second_stack_is_refused_at_once",
+        ),
+    ),
+    Mutation(
+        "sighup-stops-like-sigterm",
+        "arbiter/signals.py",
+        "STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)",
+        "STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)",
+        (
+            "tests/worker/test_local_stack.py::"
+            "test_a_signal_stops_the_stack_while_it_waits_for_the_example_job[SIGHUP]",
+        ),
+    ),
+    Mutation(
+        "local-lines-outlive-the-terminal",
+        "worker/local_terminal.py",
+        "sys.stdout, sys.stderr = Outliving(sys.stdout), Outliving(sys.stderr)",
+        "sys.stdout, sys.stderr = sys.stdout, sys.stderr",
+        (
+            "tests/emulator/test_local.py::"
+            "test_async_requests_accepted_before_a_stop_are_answered_after_the_restart"
+            "[terminal closed]",
+        ),
+    ),
+    Mutation(
+        "local-names-what-it-loses",
+        "worker/local.py",
+        "    lost = local_state.unanswered()",
+        "    lost: list[str] = []",
+        (
+            "tests/emulator/test_local.py::"
+            "test_a_stop_that_cannot_keep_the_state_names_each_request_it_loses",
+        ),
+    ),
+    Mutation(
+        "a-stop-cancels-the-load",
+        "adapter/state.py",
+        "        self.cancel_event.set()",
+        "        pass",
+        (
+            "tests/worker/test_local_stack.py::"
+            "test_a_stop_while_the_model_loads_ends_every_process_within_8_s",
+        ),
+    ),
+    Mutation(
+        "checksum-stops-on-cancel",
+        "arbiter/models.py",
+        "            LoadCancelled.check(cancel)\n            digest.update(block)",
+        "            digest.update(block)",
+        (
+            "tests/arbiter/test_load_cancel.py::"
+            "test_a_cancel_during_the_checksum_stops_it_between_two_blocks",
+        ),
+    ),
+    Mutation(
+        "read-check-decode-aborted-on-cancel",
+        "arbiter/engine/llama.py",
+        "llama_cpp.llama_set_abort_callback(self._ctx, self._on_abort, None)",
+        "None",
+        (
+            "tests/arbiter/test_load_cancel.py::test_a_cancel_during_the_read_check_aborts_its_decode",
+        ),
+    ),
+    Mutation(
+        "abort-callback-cleared-after-the-load",
+        "arbiter/engine/llama.py",
+        "llama_cpp.llama_set_abort_callback(self._ctx, llama_cpp.ggml_abort_callback(), None)",
+        "None",
+        ("tests/arbiter/test_load_cancel.py::test_a_cancel_after_the_load_stops_nothing",),
+    ),
+    Mutation(
+        "submit-lines-into-a-log",
+        "worker/submit.py",
+        "bar = _Bar(total) if sys.stderr.isatty() else _Lines(total)",
+        "bar = _Bar(total)",
+        (
+            "tests/worker/test_submit.py::"
+            "test_progress_into_a_log_is_a_line_per_change_never_a_repainted_frame",
+        ),
+    ),
+    Mutation(
+        "local-demo-names-its-container",
+        "worker/local.py",
+        'ping = f" (curl {container}/ping)" if container else ""',
+        'ping = " (curl localhost:8080/ping)"',
+        (
+            "tests/worker/test_local_stack.py::"
+            "test_the_example_jobs_last_line_names_this_stacks_own_container",
+        ),
+    ),
+    Mutation(
+        "vocabulary-only-gguf-named",
+        "arbiter/models.py",
+        'if not header.tensors and header.floats.get("split.count", 1) <= 1:',
+        "if False:",
+        (
+            "tests/arbiter/test_models.py::"
+            "test_a_vocabulary_only_gguf_is_refused_as_one_without_weights",
+        ),
+    ),
+    Mutation(
+        "front-408-closes-its-connection",
+        "emulator/errors.py",
+        "        return await _closing(request, exc.response())",
+        "        return exc.response()",
+        (
+            "tests/emulator/test_front_safety.py::"
+            "test_a_half_sent_body_is_answered_408_after_the_body_timeout",
+        ),
+    ),
+    Mutation(
+        "front-custom-attributes-capped",
+        "emulator/realtime.py",
+        "if attributes is not None and most is not None and len(attributes) > most:",
+        "if False:",
+        (
+            "tests/emulator/test_limits.py::"
+            "test_custom_attributes_over_1024_characters_are_refused_both_ways",
         ),
     ),
 )

@@ -126,7 +126,7 @@ def register(sub: Any) -> None:
         description="The whole stack on one machine. Its ports follow one base (ARBITER_PORT, "
         "8080): the container on it, the SageMaker runtime API on +1, S3 + SQS on +2, the "
         "worker metrics on +3. The S3 + SQS state is kept between runs "
-        "(ARBITER_LOCAL_STATE_DIR); Ctrl-C or SIGTERM stops everything.",
+        "(ARBITER_LOCAL_STATE_DIR); Ctrl-C, SIGTERM or a closed terminal stops everything.",
     )
     local.add_argument(
         "--port", type=int, default=None, help="the base port (ARBITER_PORT, 8080; 0: any free)"

@@ -3,10 +3,12 @@
 A moto server on 127.0.0.1 stands in for S3 and SQS (unless ARBITER_AWS_ENDPOINT_URL names one),
 the bucket, queue, dead-letter queue and S3 -> SQS notification are created, and `arbiter serve`,
 `arbiter work` and `arbiter runtime` run as child processes. The ports follow one base
-(:mod:`worker.local_ports`), busy ones refused before a model loads; "up" is printed once every
-part answers, with what is still loading meanwhile (:mod:`worker.local_watch`); Ctrl-C or SIGTERM
-stops everything at any moment, a second one at once; the S3 + SQS state is kept for the next run
-(:mod:`worker.local_state`), so what the stack accepted is answered after a restart.
+(:mod:`worker.local_ports`), claimed before anything starts (a busy one, or one a second stack
+holds, refused in one line); "up" is printed once every part answers, with what is still loading
+meanwhile (:mod:`worker.local_watch`); Ctrl-C, SIGTERM or SIGHUP (a closed terminal:
+:mod:`worker.local_terminal`) stops everything at any moment, a second one at once; the S3 + SQS
+state is kept for the next run (:mod:`worker.local_state`), so what the stack accepted is answered
+after a restart, and a stop that cannot keep it names each request lost.
 """
 
 from __future__ import annotations
@@ -19,30 +21,57 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from arbiter.ports import handed_down
+from arbiter.signals import STOP_SIGNALS
 from worker import local_state
-from worker.local_ports import LocalSettings, Ports, plan
+from worker.local_ports import LocalSettings, Part, Ports, plan
+from worker.local_terminal import outliving_terminal
 from worker.local_watch import first_exit, wait_up
 from worker.settings import WorkerSettings
 
 
-def _start_moto(port: int) -> tuple[Any, str]:
-    try:
-        from moto.server import ThreadedMotoServer
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise SystemExit(
-            "arbiter local needs moto's server: pip install 'arbiter[local]' (or set "
-            "ARBITER_AWS_ENDPOINT_URL to an S3/SQS endpoint)"
-        ) from exc
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    host, bound = server.get_host_and_port()
-    return server, f"http://{host}:{bound}"
+class _Moto:
+    """moto's S3 + SQS server in this process, serving on the socket :func:`plan` claimed (moto's
+    own ``ThreadedMotoServer`` binds again, and waits forever when it cannot)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        try:
+            from moto.moto_server.werkzeug_app import (
+                DomainDispatcherApplication,
+                MotoRequestHandler,
+                create_backend_app,
+            )
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise SystemExit(
+                "arbiter local needs moto's server: pip install 'arbiter[local]' (or set "
+                "ARBITER_AWS_ENDPOINT_URL to an S3/SQS endpoint)"
+            ) from exc
+        from werkzeug.serving import make_server
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        host, port = sock.getsockname()[:2]
+        sock.setblocking(True)
+        app = DomainDispatcherApplication(create_backend_app)
+        self._server = make_server(
+            host, port, app, threaded=True, request_handler=MotoRequestHandler, fd=sock.fileno()
+        )
+        sock.close()  # the server holds its own copy
+        self.endpoint = f"http://{host}:{port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
 
 
 async def _provision(settings: WorkerSettings) -> dict[str, str]:
@@ -63,7 +92,40 @@ def local_settings(args: argparse.Namespace) -> LocalSettings:
     return LocalSettings().model_copy(update={k: v for k, v in updates.items() if v is not None})
 
 
+class _Stopped(BaseException):
+    """A stop signal that came while the event loop was not there to take it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals(handler: Any) -> Iterator[None]:
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, was in previous.items():
+            signal.signal(sig, was)
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise _Stopped(signum)
+
+
 def run_local(args: argparse.Namespace) -> int:
+    """The stack until a stop signal (SIGINT, SIGTERM, SIGHUP) or a part's exit. Outside the event
+    loop a stop signal ends the start at once (128 + its number), with what was started stopped
+    and kept; the state's save is not interrupted."""
+    with outliving_terminal(), _signals(_raise_stopped):
+        try:
+            return _run_local(args)
+        except _Stopped as stopped:
+            return 128 + stopped.signum
+
+
+def _run_local(args: argparse.Namespace) -> int:
     settings = local_settings(args)
     base = WorkerSettings()
     serve = not args.no_serve and importlib.util.find_spec("adapter.app") is not None
@@ -75,30 +137,50 @@ def run_local(args: argparse.Namespace) -> int:
 
         check_files(engine_from_environment())
     moto = not base.aws_endpoint_url
-    ports = plan(
+    # Every port claimed and held from here: a second stack is refused now, in one line.
+    with plan(
         settings, serve=serve, runtime=not args.no_runtime, work=not args.no_work, moto=moto
-    )
-    state = settings.state_path(ports.s3.port) if ports.s3 is not None else None
-    restored = None
-    if state is not None:
-        if args.fresh:
-            local_state.discard(state)
+    ) as ports:
+        state = settings.state_path(ports.s3.port) if ports.s3 is not None else None
+        restored = None
+        if state is not None:
+            if args.fresh:
+                local_state.discard(state)
+            else:
+                restored = local_state.load(state)  # refused in one line before anything starts
+        server = _Moto(ports.s3.sock) if ports.s3 is not None and ports.s3.sock else None
+        endpoint = server.endpoint if server is not None else base.aws_endpoint_url or ""
+        code = 1
+        try:
+            code = asyncio.run(_run(args, settings, base, ports, endpoint, (state, restored)))
+        finally:
+            if server is not None:
+                with _signals(signal.SIG_IGN):  # a save cut short would lose the run's state
+                    server.stop()
+                    if not _keep(state):
+                        code = code or 1
+        return code
+
+
+def _keep(state: Path | None) -> bool:
+    """The S3 + SQS state saved for the next run, or each request lost with it named; False if
+    it could not be saved."""
+    if state is None:
+        why = "the local S3 + SQS state is not kept between runs"
+    else:
+        try:
+            kept = local_state.save(state)
+        except Exception as exc:  # a full disk, a path made unusable: say what is lost
+            why = f"could not keep the local S3 + SQS state in {state} ({exc})"
         else:
-            restored = local_state.load(state)  # refused in one line before anything starts
-    server = None
-    endpoint = base.aws_endpoint_url or ""
-    if ports.s3 is not None:
-        server, endpoint = _start_moto(ports.s3.port)
-    try:
-        return asyncio.run(_run(args, settings, base, ports, endpoint, (state, restored)))
-    except KeyboardInterrupt:  # before the loop's own handlers were set
-        return 130
-    finally:
-        if server is not None:
-            server.stop()
-            if state is not None:
-                kept = local_state.save(state)
-                print(f"kept the local S3 + SQS state in {state} ({kept})", flush=True)
+            print(f"kept the local S3 + SQS state in {state} ({kept})", flush=True)
+            return True
+    lost = local_state.unanswered()
+    if lost:
+        why += f"; lost with it, {len(lost)} accepted and not yet answered:"
+    if lost or state is not None:  # not kept, and nothing lost: the start line said so
+        print("\n  ".join([f"arbiter local: {why}", *lost]), flush=True)
+    return state is None
 
 
 def _child_env(
@@ -141,7 +223,7 @@ async def _run(
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:  # a closed terminal's SIGHUP too: the state is kept as for Ctrl-C
         loop.add_signal_handler(sig, stop.set)
     worker_settings = base.model_copy(update={"aws_endpoint_url": endpoint})
     env = _child_env(args, settings, ports, endpoint)
@@ -157,7 +239,8 @@ async def _run(
         if done is up:
             _say_up(worker_settings, stack, endpoint, up.result())
             if args.submit is not None:
-                demo = asyncio.create_task(_demo(worker_settings, args.submit))
+                container = container_url(settings, ports) if ports.container else None
+                demo = asyncio.create_task(_demo(worker_settings, args.submit, container))
                 await _first(demo, exited, stopped)
             await _first(exited, stopped)
         crashed = exited.done() and not stop.is_set()
@@ -217,8 +300,9 @@ def _say_up(settings: WorkerSettings, stack: dict[str, str], endpoint: str, seco
     )
 
 
-async def _demo(settings: WorkerSettings, path: Any) -> None:
-    """Submit a job the way `arbiter submit` does and show what came back."""
+async def _demo(settings: WorkerSettings, path: Any, container: str | None) -> None:
+    """Submit a job the way `arbiter submit` does and show what came back; the last line names
+    this stack's own container (``container``: its URL, None when it has none)."""
     from aiobotocore.session import get_session
 
     from worker.submit import submit
@@ -249,24 +333,38 @@ async def _demo(settings: WorkerSettings, path: Any) -> None:
             else {"error": outcome["code"]}
         )
         print(f"  line {record['line']} {record['id']}: {json.dumps(brief)}", flush=True)
-    print("the stack keeps running (curl localhost:8080/ping); Ctrl-C stops it.", flush=True)
+    ping = f" (curl {container}/ping)" if container else ""
+    print(f"the stack keeps running{ping}; Ctrl-C stops it.", flush=True)
 
 
 def _spawn(
     args: argparse.Namespace, ports: Ports, env: dict[str, str]
 ) -> dict[str, subprocess.Popen[bytes]]:
-    """The parts, by the name a user reads."""
-    commands = {}
+    """The parts, by the name a user reads; each is handed the port claimed for it, and this
+    process lets go of it (a part that dies must leave its port closed, not waiting)."""
+    commands: list[tuple[str, Part | None]] = []
     if ports.container is not None:
-        commands["the container (arbiter serve)"] = "serve"
+        commands.append(("serve", ports.container))
     if not args.no_work:
-        commands["the worker pool (arbiter work)"] = "work"
+        commands.append(("work", ports.metrics))
     if ports.runtime is not None:  # the SageMaker Runtime API; it prints its URL
-        commands["the SageMaker runtime API (arbiter runtime)"] = "runtime"
-    return {
-        name: subprocess.Popen([sys.executable, "-m", "arbiter", command], env=env)
-        for name, command in commands.items()
+        commands.append(("runtime", ports.runtime))
+    names = {
+        "serve": "the container (arbiter serve)",
+        "work": "the worker pool (arbiter work)",
+        "runtime": "the SageMaker runtime API (arbiter runtime)",
     }
+    children = {}
+    for command, part in commands:
+        socks = [part.sock] if part is not None and part.sock is not None else []
+        children[names[command]] = subprocess.Popen(
+            [sys.executable, "-m", "arbiter", command],
+            env={**env, **handed_down(socks)},
+            pass_fds=[sock.fileno() for sock in socks],
+        )
+        for sock in socks:
+            sock.close()
+    return children
 
 
 async def _stop(

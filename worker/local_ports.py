@@ -8,15 +8,20 @@ variable shares nothing with the first (before, `ARBITER_PORT=18080` still had t
 (``ARBITER_RUNTIME_PORT``, ``ARBITER_METRICS_PORT``, ``ARBITER_LOCAL_MOTO_PORT``) still wins;
 base 0 gives each part a free port of its own.
 
-Every port is tried before anything starts, so a busy one is refused in one line before a model
-loads, naming the part and the variable that moves it.
+Every port is claimed before anything starts: bound, listening and held by `arbiter local` until
+its part takes the socket over (:func:`arbiter.ports.bind` adopts it; moto serves on it in
+process). So a busy one is refused in one line before a model loads, naming the part and the
+variable that moves it, and a second stack started a moment after the first is refused the same
+way, never left waiting on a port the first took between its check and its bind.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -104,10 +109,13 @@ class Part:
     variable: str  # what moves it
     host: str
     port: int  # 0 until chosen
+    sock: socket.socket | None = field(default=None, compare=False, repr=False)  # claimed
 
 
 @dataclass(frozen=True)
 class Ports:
+    """The parts' ports, each held (listening) until its part takes it or :meth:`close`."""
+
     container: Part | None
     runtime: Part | None
     s3: Part | None
@@ -116,9 +124,22 @@ class Ports:
     def parts(self) -> list[Part]:
         return [p for p in (self.container, self.runtime, self.s3, self.metrics) if p is not None]
 
+    def close(self) -> None:
+        for part in self.parts():
+            if part.sock is not None:
+                part.sock.close()
+
+    def __enter__(self) -> Ports:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
 
 def plan(settings: LocalSettings, *, serve: bool, runtime: bool, work: bool, moto: bool) -> Ports:
-    """The ports of the parts that will start, each checked free (or chosen, for 0) now."""
+    """The ports of the parts that will start, each claimed (or chosen, for 0) now and held."""
     base = settings.port
 
     def derived(name: str, own: int | None) -> int:
@@ -162,19 +183,22 @@ def plan(settings: LocalSettings, *, serve: bool, runtime: bool, work: bool, mot
         else None,
     }
     taken: set[int] = set()
-    chosen: dict[str, Part | None] = {}
-    for key, part in wanted.items():
-        if part is None:
-            chosen[key] = None
-            continue
-        port = _claim(part, taken, base)
-        taken.add(port)
-        chosen[key] = Part(part.name, part.variable, part.host, port)
+    chosen: dict[str, Part | None] = dict.fromkeys(wanted)
+    try:
+        for key, part in wanted.items():
+            if part is not None:
+                sock = _claim(part, taken, base)
+                port = int(sock.getsockname()[1])
+                taken.add(port)
+                chosen[key] = Part(part.name, part.variable, part.host, port, sock)
+    except BaseException:
+        Ports(**chosen).close()
+        raise
     return Ports(**chosen)
 
 
-def _claim(part: Part, taken: set[int], base: int) -> int:
-    """``part``'s port if it can be bound now (a free one for 0); refused in one line if not."""
+def _claim(part: Part, taken: set[int], base: int) -> socket.socket:
+    """``part``'s port bound and listening (a free one for 0); refused in one line if not."""
     hint = (
         f"set ARBITER_PORT to move the whole stack (now {base}: container {base}, runtime API "
         f"{base + 1}, S3/SQS {base + 2}, worker metrics {base + 3})"
@@ -192,5 +216,4 @@ def _claim(part: Part, taken: set[int], base: int) -> int:
             "(another stack?); "
             f"{hint}"
         ) from exc
-    with sock:
-        return int(sock.getsockname()[1])
+    return sock

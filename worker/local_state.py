@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import copyreg
+import json
 import os
 import pickle
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote_plus
 
 from arbiter.errors import ArbiterError
 
@@ -77,6 +79,43 @@ def held() -> Held:
                 queues += 1
                 messages += len(queue._messages)
     return Held(objects, buckets, messages, queues)
+
+
+def unanswered() -> list[str]:
+    """Each request the queues still hold, named for a user (an async request by its inference id
+    and output location, a job by its input object): what a stop loses when the state is not kept."""
+    named = []
+    for regions in _backends()["sqs"].values():
+        for backend in regions.values():
+            for queue in backend.queues.values():
+                for message in queue._messages:
+                    name = _name(message.body, queue.name)
+                    if name is not None:
+                        named.append(name)
+    return named
+
+
+def _name(body: str, queue: str) -> str | None:
+    try:
+        raw = json.loads(body)
+    except ValueError:
+        raw = None
+    if isinstance(raw, dict) and raw.get("Event") == "s3:TestEvent":
+        return None  # S3's own test of a new notification: no request
+    if isinstance(raw, dict) and isinstance(raw.get("inference_id"), str):
+        return f"async request {raw['inference_id']} (its output: {raw.get('output')})"
+    if isinstance(raw, dict) and ("arbiter_shard" in raw or "arbiter_merge" in raw):
+        part = "a shard" if "arbiter_shard" in raw else "the merge"
+        return f"{part} of job s3://{raw.get('bucket')}/{raw.get('key')} (queue {queue})"
+    records = raw.get("Records") if isinstance(raw, dict) else None
+    if isinstance(records, list):
+        with contextlib.suppress(KeyError, TypeError):
+            keys = [
+                f"s3://{r['s3']['bucket']['name']}/{unquote_plus(r['s3']['object']['key'])}"
+                for r in records
+            ]
+            return f"job {', '.join(keys)} (queue {queue})"
+    return f"a message in queue {queue}: {body[:80]!r}"
 
 
 def save(path: Path) -> Held:

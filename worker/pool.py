@@ -31,6 +31,7 @@ import structlog
 
 from arbiter.logging import configure
 from arbiter.ports import bind
+from arbiter.signals import STOP_SIGNALS
 from worker.policies import RestartPolicy
 from worker.protection import InHand, TaskProtection
 from worker.settings import MULTIPROC_ENV, WorkerSettings
@@ -95,7 +96,7 @@ async def _worker(settings: WorkerSettings, in_hand: InHand | None = None) -> No
     metrics = WorkerMetrics(registry=None)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     async with (
         session.create_client("s3", **settings.client_kwargs()) as s3,
@@ -106,7 +107,7 @@ async def _worker(settings: WorkerSettings, in_hand: InHand | None = None) -> No
         if queue is None:
             return
         consumer = Consumer(settings, s3, sqs, engine, queue, metrics, in_hand=in_hand)
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, consumer.stop)
         if stop.is_set():
             consumer.stop()
@@ -295,7 +296,7 @@ async def run_pool(settings: WorkerSettings, metrics_dir: Path | None = None) ->
     prepare_multiprocess_dir(metrics_dir)
     pool = Pool(settings)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, pool.stop)
     runner = await _serve_metrics(sock) if sock is not None else None
     if runner is not None:

@@ -1,7 +1,9 @@
 """`arbiter submit`: drop a job file into the input prefix and wait for its summary.
 
 Every job shows its progress meanwhile: a bar on stderr, "queued" until a worker takes it, then
-read from the job's status object (lines done and failed; shards too for a split job). A file the
+read from the job's status object (lines done and failed; shards too for a split job). On a stderr
+that is no terminal (a log, CI) the bar's repainted frames would pile up, so it is a line per
+change there, at most one every ``LOG_EVERY_S``, the last always. A file the
 worker would ignore (not ``.jsonl``/``.json``, optionally ``.gz``) is refused before anything is
 uploaded, and an unchanged file, whose summary exists from an earlier run, is said to be that.
 """
@@ -28,19 +30,64 @@ from worker.outputs import output_keys
 from worker.s3io import get_json, gone
 from worker.settings import WorkerSettings
 
+LOG_EVERY_S = 5.0
 
-def _show(bar: tqdm[Any], doc: dict[str, Any]) -> None:
-    shards = doc["shards"]
-    bar.set_description_str("lines")
-    bar.total = doc["lines"]["total"] or bar.total
-    bar.update(doc["lines"]["done"] - bar.n)  # the rate counts lines done while watched
-    failed = f", {doc['lines']['failed']} lines failed" if doc["lines"]["failed"] else ""
-    split = (
-        f"{shards['done'] + shards['failed']}/{shards['total']} shards"
-        if shards["total"] > 1
-        else ""
-    )
-    bar.set_postfix_str(", ".join(p for p in (split, failed.removeprefix(", ")) if p))
+
+def _postfix(doc: dict[str, Any]) -> str:
+    shards, failed = doc["shards"], doc["lines"]["failed"]
+    split = f"{shards['done'] + shards['failed']}/{shards['total']} shards"
+    parts = (split if shards["total"] > 1 else "", f"{failed} lines failed" if failed else "")
+    return ", ".join(p for p in parts if p)
+
+
+class _Bar:
+    """A tqdm bar on a terminal, repainted in place."""
+
+    def __init__(self, total: int | None) -> None:
+        self._bar = tqdm(desc="queued", unit="line", file=sys.stderr, total=total)
+
+    def show(self, doc: dict[str, Any] | None) -> None:
+        if doc is not None:
+            self._bar.set_description_str("lines")
+            self._bar.total = doc["lines"]["total"] or self._bar.total
+            self._bar.update(doc["lines"]["done"] - self._bar.n)  # the rate: lines while watched
+            self._bar.set_postfix_str(_postfix(doc))
+        self._bar.refresh()
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+class _Lines:
+    """What the bar says, as a line per change: at most one every ``LOG_EVERY_S`` (a change
+    within it waits, only the newest), the last one always, at :meth:`close`."""
+
+    def __init__(self, total: int | None) -> None:
+        self._total = total  # the file's own count: a whole job's status has none
+        self._said = ""
+        self._at = -LOG_EVERY_S
+        self._pending: str | None = None
+        self._say(f"queued ({total} lines)" if total else "queued")
+
+    def show(self, doc: dict[str, Any] | None) -> None:
+        if doc is not None:
+            done, total = doc["lines"]["done"], doc["lines"]["total"] or self._total
+            postfix = _postfix(doc)
+            self._say(f"lines {done}/{total or '?'}" + (f" ({postfix})" if postfix else ""))
+
+    def _say(self, text: str) -> None:
+        self._pending = None if text == self._said else text
+        if self._pending is not None and time.monotonic() - self._at >= LOG_EVERY_S:
+            self._write()
+
+    def _write(self) -> None:
+        assert self._pending is not None
+        print(f"arbiter submit: {self._pending}", file=sys.stderr, flush=True)
+        self._said, self._pending, self._at = self._pending, None, time.monotonic()
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._write()
 
 
 def count_lines(path: Path) -> int | None:
@@ -98,7 +145,7 @@ async def submit(
     refused = refusal(settings, key)
     if refused is not None:
         raise ArbiterError(f"refused: {refused}")
-    bar: tqdm[Any] | None = None
+    bar: _Bar | _Lines | None = None
     total = await asyncio.to_thread(count_lines, path) if progress else None
     async with get_session().create_client("s3", **settings.client_kwargs()) as s3:
         data = await asyncio.to_thread(path.read_bytes)
@@ -114,7 +161,7 @@ async def submit(
         deadline = time.monotonic() + timeout_s
         try:
             if progress:
-                bar = tqdm(desc="queued", unit="line", file=sys.stderr, total=total)
+                bar = _Bar(total) if sys.stderr.isatty() else _Lines(total)
             while time.monotonic() < deadline:
                 got = await get_json(s3, settings.bucket, keys.summary)
                 if got is not None:
@@ -131,17 +178,14 @@ async def submit(
                         }
                         last = {"shards": {"total": 1, "done": 1, "failed": 0}, "lines": lines}
                         # a split job's final status; a whole one's is gone with its run
-                        _show(bar, final[0] if final is not None else last)
-                        bar.refresh()
+                        bar.show(final[0] if final is not None else last)
                     return summary
                 rejected = await _rejection(s3, settings.bucket, keys.rejected, uploaded)
                 if rejected is not None:
                     return rejected
                 if bar is not None:
                     doc = await get_json(s3, settings.bucket, status_key(keys))
-                    if doc is not None:
-                        _show(bar, doc[0])
-                    bar.refresh()
+                    bar.show(doc[0] if doc is not None else None)
                 await asyncio.sleep(0.5)
         finally:
             if bar is not None:

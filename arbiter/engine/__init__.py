@@ -46,10 +46,10 @@ from arbiter.engine.rotation import DEFAULT_MARGIN, ReadPolicy
 from arbiter.engine.sampler import Grammar
 from arbiter.engine.sampling import Choice, Generation, OnDelta, SamplingParams, TokenLogprob
 from arbiter.engine.scoring import Scoring, context_sequences
-from arbiter.errors import ContextLengthExceeded, InvalidDecision
+from arbiter.errors import ContextLengthExceeded, InvalidDecision, LoadCancelled
 from arbiter.logging import get_logger
 from arbiter.lora import resolve_adapters, weights_id
-from arbiter.models import BUNDLED_NOTICE, ResolvedModel, resolve_model, verify
+from arbiter.models import BUNDLED_NOTICE, ResolvedModel, require_weights, resolve_model, verify
 from arbiter.profiles import resolve_profile
 from arbiter.schema import AdapterInfo, DecisionRequest, ModelInfo
 from arbiter.scorer import Outcome
@@ -86,10 +86,13 @@ class Engine:
         settings: EngineSettings,
         resolved: ResolvedModel | None = None,
         progress: Progress | None = None,
+        cancel: threading.Event | None = None,
     ) -> None:
         """``progress`` is told each step of the load as it starts (a server logs them: a 1.5B
         model's checksum, load and read check take tens of seconds that passed in silence); a
-        command that loads and answers once stays quiet, its refusals one line."""
+        command that loads and answers once stays quiet, its refusals one line. ``cancel``, set
+        from another thread, stops the load within a fraction of a second (``LoadCancelled``):
+        a server stopped while it loads does not wait for the load to finish."""
         say = progress or _quiet
         self.resolved = resolved or resolve_model(settings.model, settings.model_dir)
         if self.resolved.source == "bundled":
@@ -105,11 +108,11 @@ class Engine:
                 "mb": round(self.resolved.path.stat().st_size / 1e6, 1),
             },
         )
-        self.sha256 = verify(self.resolved)
+        self.sha256 = verify(self.resolved, cancel)
         # Serializes everything that uses the context; tokenizing runs outside it (chat prompts
         # are tokenized in their admission slot) under the model's own lock.
         self._lock = threading.Lock()
-        self.llama = Llama(self.resolved.path, settings)
+        self.llama = Llama(self.resolved.path, settings, cancel=cancel)
         try:
             llama = self.llama
             self.bos_text = llama.vocab.piece_text(llama.vocab.bos)  # "" for a model without one
@@ -117,7 +120,9 @@ class Engine:
             self.chat_template = llama.chat_template
             self.prompts = open_prompts(llama, settings, self.profile)
             self.labels = self.prompts.labels
+            LoadCancelled.check(cancel)
             llama.open_context(settings, context_sequences(settings, self.labels))
+            LoadCancelled.check(cancel)
             llama.load_adapters([(a.path, a.scale) for a in self.adapters])
             head_tokens, tail_tokens = self.prompts.fewest_around()
             self.cost = CostFloor(
@@ -131,6 +136,7 @@ class Engine:
                 settings, self.sha256, self.resolved, self.profile.sha256
             )
             say("model_weights_loaded", {"seconds": round(time.perf_counter() - started, 2)})
+            LoadCancelled.check(cancel)
         except BaseException:
             self.llama.close()  # a model refused part-way through loading frees what it had
             raise
@@ -148,7 +154,7 @@ class Engine:
             say("read_check_started", {"mode": settings.read_check})
             self.read_check = read_check.run(
                 self.resolved.path.name,
-                self._probing(settings),
+                self._probing(settings, cancel),
                 settings.read_check,
                 settings.read_check_min_mass,
                 settings.read_check_min_ratio,
@@ -156,11 +162,15 @@ class Engine:
         except BaseException:
             self.llama.close()
             raise
+        self.llama.loaded()
         self.cache.clear()  # the probes' state is nobody's
 
-    def _probing(self, settings: EngineSettings) -> read_check.Probing:
+    def _probing(
+        self, settings: EngineSettings, cancel: threading.Event | None
+    ) -> read_check.Probing:
         """The read check's ways to score: the served path, and the plain built-in prompt on the
-        same weights as its reference (none where the served prompt is that one)."""
+        same weights as its reference (none where the served prompt is that one). Probes the
+        load's cancel cut short raise ``LoadCancelled``: no verdict on the model."""
         reference: read_check.Score | None = None
         plain = None
         if self.prompts.layout.chat or not self.profile.builtin:
@@ -172,10 +182,18 @@ class Engine:
 
             def score_plain(probes: Sequence[DecisionRequest]) -> list[Outcome]:
                 with self._lock:
-                    return scoring.score(probes, self.settings, self.cache)
+                    outcomes = scoring.score(probes, self.settings, self.cache)
+                LoadCancelled.check(cancel)
+                return outcomes
 
             reference = score_plain
-        return read_check.Probing(self.score, self.labels.texts(2), reference, self._next_tokens)
+
+        def score(probes: Sequence[DecisionRequest]) -> list[Outcome]:
+            outcomes = self.score(probes)
+            LoadCancelled.check(cancel)
+            return outcomes
+
+        return read_check.Probing(score, self.labels.texts(2), reference, self._next_tokens)
 
     def _next_tokens(self, request: DecisionRequest, k: int = 8) -> list[tuple[str, float]]:
         """The ``k`` likeliest next tokens where ``request`` is read, with their probabilities
@@ -419,6 +437,7 @@ def check_files(settings: EngineSettings) -> ResolvedModel:
     adapters, its prompt profile, its calibration), found without llama.cpp: a server checks
     before it binds its port, a pool before it spawns its workers."""
     resolved = resolve_model(settings.model, settings.model_dir)
+    require_weights(resolved.path)
     resolve_adapters(settings.lora, resolved, settings.model_dir)
     resolve_profile(settings.prompt_profile, resolved)
     if settings.calibration is not None:
@@ -427,13 +446,17 @@ def check_files(settings: EngineSettings) -> ResolvedModel:
 
 
 def open_engine(
-    settings: EngineSettings | None = None, model: Path | None = None, profile: str | None = None
+    settings: EngineSettings | None = None,
+    model: Path | None = None,
+    profile: str | None = None,
+    cancel: threading.Event | None = None,
 ) -> Engine:
     """Build an engine from the environment as ``arbiter serve`` reads it (``SM_LLAMA_CPP_*``
-    below ``ARBITER_*``), or from the given settings, optionally forcing a model or a profile."""
+    below ``ARBITER_*``), or from the given settings, optionally forcing a model or a profile;
+    ``cancel`` stops its load (``Engine``)."""
     settings = settings or engine_from_environment()
     if model is not None:
         settings = settings.model_copy(update={"model": model})
     if profile is not None:
         settings = settings.model_copy(update={"prompt_profile": profile})
-    return Engine(settings)
+    return Engine(settings, cancel=cancel)

@@ -8,6 +8,7 @@ from numpy arrays (no Python loop per token). Nothing here knows what a decision
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -21,8 +22,9 @@ import numpy as np
 from arbiter.engine import backends
 from arbiter.engine.batch import NumpyBatch
 from arbiter.engine.vocabulary import Vocabulary
-from arbiter.errors import EngineFailure, ModelLoadError
+from arbiter.errors import EngineFailure, LoadCancelled, ModelLoadError
 from arbiter.gguf_info import FILE_TYPES
+from arbiter.models import require_weights
 from arbiter.settings import EngineSettings
 
 LLAMA_CPP_PYTHON_VERSION: str = getattr(llama_cpp, "__version__", "unknown")
@@ -53,12 +55,25 @@ class Llama:
     engine serializes that; tokenizing and token texts take a lock of their own, so :meth:`close`
     never frees the vocabulary under a running call."""
 
-    def __init__(self, path: Path, settings: EngineSettings, *, vocab_only: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        settings: EngineSettings,
+        *,
+        vocab_only: bool = False,
+        cancel: threading.Event | None = None,
+    ) -> None:
         """Load the model and its vocabulary; :meth:`open_context` makes the context.
 
         ``vocab_only``: the vocabulary and metadata alone (no weights: the prompts of a model can
-        be rendered and counted, nothing decoded)."""
+        be rendered and counted, nothing decoded). ``cancel``, once set, stops the load: the
+        weights' read (llama.cpp's progress callback) and, until :meth:`loaded`, any decode
+        (its abort callback, checked between a graph's nodes), each with ``LoadCancelled``."""
         self.path = path
+        self._cancel = cancel
+        # ctypes callbacks llama.cpp holds: kept alive here as long as it may call them.
+        self._on_progress: Any = None
+        self._on_abort: Any = None
         self._tok_lock = threading.Lock()
         self._closed = False
         self._model: Any = None
@@ -78,10 +93,19 @@ class Llama:
                 f"n_gpu_layers={s.n_gpu_layers} was asked for, but this llama.cpp build has no GPU "
                 "backend; set ARBITER_N_GPU_LAYERS=0 or use the CUDA image"
             )
+        if not vocab_only:
+            require_weights(self.path)
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = 10_000 if s.n_gpu_layers < 0 else s.n_gpu_layers
         mparams.vocab_only = vocab_only
-        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if self._cancel is not None:
+            cancel = self._cancel
+            self._on_progress = llama_cpp.llama_progress_callback(
+                lambda _progress, _data: not cancel.is_set()
+            )
+            mparams.progress_callback = self._on_progress
+        with self._cancellable():
+            self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {self.path}")
         handle = llama_cpp.llama_model_get_vocab(self._model)
@@ -124,6 +148,30 @@ class Llama:
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = NumpyBatch(self.n_batch)
+        if self._cancel is not None:  # the load's decodes (the read check) stop when cancelled
+            cancel = self._cancel
+            self._on_abort = llama_cpp.ggml_abort_callback(lambda _data: cancel.is_set())
+            llama_cpp.llama_set_abort_callback(self._ctx, self._on_abort, None)
+
+    @contextmanager
+    def _cancellable(self) -> Iterator[None]:
+        """A llama.cpp call the load's cancel may stop: ``LoadCancelled`` once it returns, and
+        the error lines llama.cpp logs about the stop dropped (they are no failure)."""
+        if self._cancel is None:  # served: nothing to stop, nothing collected
+            yield
+            return
+        with backends.collected_errors() as said:
+            yield
+        LoadCancelled.check(self._cancel)
+        for line in said:
+            sys.stderr.write(line)
+
+    def loaded(self) -> None:
+        """The load is over: ``cancel`` no longer stops a decode (a request's is never aborted
+        half-way; its own checks run between decodes, :meth:`interruptible`)."""
+        if self._ctx and self._on_abort is not None:
+            llama_cpp.llama_set_abort_callback(self._ctx, llama_cpp.ggml_abort_callback(), None)
+        self._cancel = None
 
     def load_adapters(self, adapters: Sequence[tuple[Path, float]]) -> None:
         """Load LoRA adapters on the model and apply them to the context at their scales
@@ -283,7 +331,8 @@ class Llama:
             self._batch.fill(
                 tokens[start:stop], pos[start:stop], seqs[start:stop], want[start:stop]
             )
-            rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
+            with self._cancellable():  # rc 2: aborted by the load's cancel
+                rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
             if rc != 0:
                 raise EngineFailure(f"llama_decode failed with status {rc}")
             if on_output is not None:

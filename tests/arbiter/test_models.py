@@ -149,3 +149,37 @@ def test_the_bundled_model_says_it_is_a_format_demo(
     said = capsys.readouterr()
     assert "bundled_model" in said.out + said.err
     assert "arbiter models install" in said.out + said.err
+
+
+def test_a_vocabulary_only_gguf_is_refused_as_one_without_weights(
+    default_gguf: Path, tmp_path: Path
+) -> None:
+    """A GGUF with a vocabulary and no tensors is named for what it is, before llama.cpp is given
+    it and by the load itself (llama.cpp only says it could not load it)."""
+    import subprocess
+    import sys
+
+    from arbiter.engine import check_files
+    from tests import ROOT
+    from tests.environ import environ_without
+    from tests.gguf_models import Vocabulary
+    from tests.ports import free_port
+
+    vocab = Vocabulary(default_gguf).write(tmp_path / "vocab-only.gguf", None)
+    settings = EngineSettings(model=vocab, model_dir=tmp_path, n_threads=TEST_THREADS)
+    for load in (check_files, Engine):
+        with pytest.raises(ModelLoadError) as refused:
+            load(settings)
+        assert "holds no weights" in refused.value.message, refused.value.message
+    env = environ_without("ARBITER_")
+    env.update(PYTHONPATH=str(ROOT), ARBITER_MODEL=str(vocab))
+    served = subprocess.run(
+        [sys.executable, "-m", "arbiter", "serve", "--port", str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    [line] = served.stderr.strip().splitlines()
+    assert served.returncode == 2 and "holds no weights" in line, served.stderr

@@ -165,9 +165,47 @@ def test_custom_attributes_are_ascii_in_and_passed_back_byte_for_byte(endpoint: 
     assert len(fake.seen) == 1
 
 
-def test_no_content_type_is_invented(endpoint: str) -> None:
-    """A call without ContentType reaches the container without one, on all three operations
-    (SageMaker passes the API's headers; aiohttp would otherwise add application/octet-stream)."""
+def test_custom_attributes_over_1024_characters_are_refused_both_ways(endpoint: str) -> None:
+    """CustomAttributes is at most 1,024 characters in botocore's model, in and out. A caller's
+    2,000 is a ValidationError; a container's is a ModelError naming its length (AWS documents
+    the limit, not its error), never passed back whole; 1,024 comes back as it was set."""
+    set_by_container = {"value": "a" * 1024}
+    with stand_in() as (fake, url), front(url, endpoint) as api:
+
+        async def attributes(request: web.Request) -> web.Response:
+            return web.Response(
+                text="{}",
+                content_type="application/json",
+                headers={"X-Amzn-SageMaker-Custom-Attributes": set_by_container["value"]},
+            )
+
+        fake.respond = attributes
+        client = runtime(api, retries={"max_attempts": 1, "mode": "standard"})
+        whole = client.invoke_endpoint(EndpointName="arbiter", Body=b"{}")["CustomAttributes"]
+        caller = refused(
+            lambda: client.invoke_endpoint(
+                EndpointName="arbiter", Body=b"{}", CustomAttributes="c" * 2000
+            )
+        )
+        set_by_container["value"] = "a" * 2000
+        errors = []
+        for call in (client.invoke_endpoint, client.invoke_endpoint_with_response_stream):
+            with pytest.raises(client.exceptions.ModelError) as caught:
+                call(EndpointName="arbiter", Body=b"{}")
+            errors.append(caught.value.response)
+    assert whole == "a" * 1024
+    assert caller["Code"] == "ValidationError"
+    assert "less than or equal to 1024" in caller["Message"]
+    for error in errors:
+        assert error["ResponseMetadata"]["HTTPStatusCode"] == 424
+        assert "is 2000 characters" in error["OriginalMessage"], error
+        assert "returns at most 1024" in error["OriginalMessage"], error
+
+
+def test_no_header_is_invented(endpoint: str) -> None:
+    """A call without ContentType or Accept reaches the container without them, nor any header
+    the caller did not send, on all three operations (SageMaker passes the API's headers; aiohttp
+    would otherwise add application/octet-stream, ``Accept: */*``, Accept-Encoding, User-Agent)."""
     s3 = make_bucket(endpoint)
     with stand_in() as (fake, url), front(url, endpoint) as api:
         client = runtime(api)
@@ -184,3 +222,8 @@ def test_no_content_type_is_invented(endpoint: str) -> None:
     sent = [entry["headers"] for entry in fake.seen]
     assert len(sent) == 3
     assert [h.get("Content-Type") for h in sent] == [None, None, None]
+    transport = {"Host", "Content-Length", "Transfer-Encoding"}
+    # SageMaker's own: an async request always has an inference id (made when none was given)
+    ours = {"X-Amzn-SageMaker-Inference-Id"}
+    assert [sorted(set(h) - transport) for h in sent[:2]] == [[], []], sent
+    assert sorted(set(sent[2]) - transport - ours) == [], sent

@@ -4,6 +4,7 @@ endpoint, boto3 reaches the container through it, SIGTERM stops it with the rest
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -80,13 +81,42 @@ def test_arbiter_local_serves_the_runtime_api_in_front_of_its_container() -> Non
     assert code == 0, "".join(lines)
 
 
+def _children(pid: int) -> list[int]:
+    return [int(n) for n in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _stop(stack: Local, how: str) -> None:
+    """Each way a stack is stopped: Ctrl-C (the terminal signals the whole job), twice; `kill`
+    (SIGTERM to `arbiter local` alone); the terminal closed (SIGHUP to the job, its output gone);
+    a part that dies (SIGKILL to the runtime API)."""
+    if how == "ctrl-c":
+        stack.signal_group(signal.SIGINT)
+    elif how == "ctrl-c twice":
+        stack.signal_group(signal.SIGINT)
+        time.sleep(0.3)
+        stack.signal_group(signal.SIGINT)
+    elif how == "sigterm":
+        stack.popen.send_signal(signal.SIGTERM)
+    elif how == "terminal closed":
+        stack.hang_up()
+    else:
+        assert how == "a part dies"
+        (runtime_pid,) = _children(stack.popen.pid)  # --no-serve --no-work: the runtime alone
+        os.kill(runtime_pid, signal.SIGKILL)
+
+
+STOPS = ["ctrl-c", "ctrl-c twice", "sigterm", "terminal closed", "a part dies"]
+
+
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", STOPS)
 def test_async_requests_accepted_before_a_stop_are_answered_after_the_restart(
-    tmp_path: Path,
+    tmp_path: Path, how: str
 ) -> None:
-    """Issue 37 item 2: three requests accepted (202) while the container is away, the stack
-    stopped with Ctrl-C's SIGINT, started again with its container: all three outputs written (they
-    were lost with the in-process moto server before), and a job dropped before the stop too."""
+    """Three requests accepted (202) while the container is away, the stack stopped each way a
+    stack is stopped, started again with its container: all three outputs written, and a job
+    dropped before the stop too (issue 37 item 2: lost with the in-process moto server; a closed
+    terminal's SIGHUP still lost them, and SIGTERM to the job too)."""
     base = free_block()
     container_port = free_port()
     env = local_env(
@@ -95,7 +125,7 @@ def test_async_requests_accepted_before_a_stop_are_answered_after_the_restart(
     )
     args = ["--port", str(base), "--no-serve", "--no-work"]
     moto = f"http://127.0.0.1:{base + 2}"
-    first = Local(args, env)
+    first = Local(args, env, terminal=how == "terminal closed")
     try:
         first.wait_for(lambda line: "arbiter local is up" in line)
         s3 = aws("s3", moto)
@@ -114,11 +144,14 @@ def test_async_requests_accepted_before_a_stop_are_answered_after_the_restart(
         s3.put_object(Bucket=BUCKET, Key="incoming/kept.jsonl", Body=b"{}\n")  # a job, queued
         time.sleep(1.0)
         assert not any(exists(s3, got["OutputLocation"]) for got in accepted)  # no container
-        first.popen.send_signal(signal.SIGINT)
-        assert first.popen.wait(timeout=30) == 0, first.text()
+        _stop(first, how)
+        code = first.popen.wait(timeout=30)
     finally:
         first.close()
-    assert "kept the local S3 + SQS state" in first.text()
+    if how in ("ctrl-c", "sigterm", "terminal closed"):
+        assert code == 0, first.text()
+    if how != "terminal closed":  # its lines went to the closed terminal
+        assert "kept the local S3 + SQS state" in first.text()
     with stand_in(port=container_port) as (fake, _):
         second = Local(args, env)
         try:
@@ -127,7 +160,7 @@ def test_async_requests_accepted_before_a_stop_are_answered_after_the_restart(
             try:
                 outputs = [poll_object(s3, got["OutputLocation"]) for got in accepted]
             except Exception as exc:
-                raise AssertionError(second.text()) from exc
+                raise AssertionError(first.text() + "\n---\n" + second.text()) from exc
             assert outputs == [b'{"ok": true}'] * 3
             jobs = aws("sqs", moto)
             url = jobs.get_queue_url(QueueName="arbiter-jobs")["QueueUrl"]
@@ -142,6 +175,48 @@ def test_async_requests_accepted_before_a_stop_are_answered_after_the_restart(
         finally:
             assert second.close() == 0, second.text()
     assert sorted(json.loads(seen["body"])["n"] for seen in fake.seen) == [0, 1, 2]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("state", ["not kept", "cannot be written"])
+def test_a_stop_that_cannot_keep_the_state_names_each_request_it_loses(
+    tmp_path: Path, state: str
+) -> None:
+    """With the state not kept (ARBITER_LOCAL_STATE_DIR empty), or its file impossible to write,
+    the stop names each accepted request lost with it (before: nothing was said; a failed save
+    was a traceback)."""
+    base = free_block()
+    blocked = tmp_path / "state"
+    env = local_env(
+        ARBITER_LOCAL_STATE_DIR="" if state == "not kept" else str(blocked / "local"),
+        ARBITER_RUNTIME_CONTAINER_URL=f"http://127.0.0.1:{free_port()}",  # nothing answers
+    )
+    stack = Local(["--port", str(base), "--no-serve", "--no-work"], env)
+    try:
+        stack.wait_for(lambda line: "arbiter local is up" in line)
+        s3 = aws("s3", f"http://127.0.0.1:{base + 2}")
+        client = runtime(f"http://127.0.0.1:{base + 1}")
+        accepted = []
+        for n in range(3):
+            s3.put_object(Bucket=BUCKET, Key=f"async/input/r{n}.json", Body=b"{}")
+            accepted.append(
+                client.invoke_endpoint_async(
+                    EndpointName="arbiter-async",
+                    ContentType="application/json",
+                    InputLocation=f"s3://{BUCKET}/async/input/r{n}.json",
+                )
+            )
+        blocked.write_text("a file where the state's folder must go")
+        stack.popen.send_signal(signal.SIGTERM)
+        code = stack.popen.wait(timeout=30)
+    finally:
+        stack.close()
+    text = stack.text()
+    assert "Traceback" not in text, text
+    assert "lost with it, 3 accepted and not yet answered" in text, text
+    for got in accepted:
+        assert f"async request {got['InferenceId']} (its output: {got['OutputLocation']})" in text
+    assert code == (0 if state == "not kept" else 1), text
 
 
 @pytest.mark.real_model

@@ -1,8 +1,11 @@
 """`arbiter local` as a process under test: started with the tests' environment, its output read
-line by line, stopped by a signal as a user's Ctrl-C would."""
+line by line, stopped by a signal as a user's Ctrl-C would, or by its terminal closing."""
 
 from __future__ import annotations
 
+import os
+import select
+import signal
 import subprocess
 import sys
 import threading
@@ -30,7 +33,9 @@ def local_env(**extra: Any) -> dict[str, str]:
 
 class Local:
     """`arbiter local ARGS` with ``env``; ``lines`` fills as it prints (stdout and stderr). The
-    checkout's by default, or ``arbiter`` (a path: the built wheel's) run in ``cwd``."""
+    checkout's by default, or ``arbiter`` (a path: the built wheel's) run in ``cwd``. It leads a
+    process group of its own with its parts, as a shell's job does; with ``terminal`` its output
+    goes to a pseudo-terminal, which :meth:`hang_up` closes as a closed window or SSH session does."""
 
     def __init__(
         self,
@@ -38,23 +43,64 @@ class Local:
         env: dict[str, str],
         arbiter: Path | None = None,
         cwd: Path = ROOT,
+        terminal: bool = False,
     ) -> None:
         program = [str(arbiter)] if arbiter else [sys.executable, "-m", "arbiter"]
+        self._master: int | None = None
+        output: int = subprocess.PIPE
+        if terminal:
+            self._master, output = os.openpty()
         self.popen = subprocess.Popen(
             [*program, "local", *args],
             env=env,
             cwd=cwd,
-            stdout=subprocess.PIPE,
+            stdout=output,
             stderr=subprocess.STDOUT,
             text=True,
+            process_group=0,
         )
         self.lines: list[str] = []
-        out = self.popen.stdout
-        assert out is not None
-        self._reader = threading.Thread(
-            target=lambda: self.lines.extend(iter(out.readline, "")), daemon=True
-        )
+        self._reading = True
+        if self._master is not None:
+            os.close(output)
+            self._reader = threading.Thread(target=self._read_terminal, daemon=True)
+        else:
+            out = self.popen.stdout
+            assert out is not None
+            self._reader = threading.Thread(
+                target=lambda: self.lines.extend(iter(out.readline, "")), daemon=True
+            )
         self._reader.start()
+
+    def _read_terminal(self) -> None:
+        assert self._master is not None
+        pending = b""
+        while self._reading:
+            if not select.select([self._master], [], [], 0.1)[0]:
+                continue
+            try:
+                chunk = os.read(self._master, 65536)
+            except OSError:  # EIO: every writer is gone
+                chunk = b""
+            if not chunk:
+                break
+            pending += chunk
+            *complete, pending = pending.split(b"\n")
+            self.lines.extend(line.decode(errors="replace") + "\n" for line in complete)
+
+    def hang_up(self) -> None:
+        """Close the terminal, then SIGHUP the job's process group, as the shell does when its
+        terminal goes."""
+        assert self._master is not None
+        self._reading = False
+        self._reader.join(timeout=10)
+        os.close(self._master)
+        self._master = None
+        os.killpg(self.popen.pid, signal.SIGHUP)
+
+    def signal_group(self, sig: int) -> None:
+        """``sig`` to the stack and its parts, as a terminal's Ctrl-C reaches a whole job."""
+        os.killpg(self.popen.pid, sig)
 
     def text(self) -> str:
         return "".join(self.lines)
@@ -82,7 +128,11 @@ class Local:
         except subprocess.TimeoutExpired:
             self.popen.kill()
             code = self.popen.wait()
+        self._reading = False
         self._reader.join(timeout=10)
-        assert self.popen.stdout is not None
-        self.popen.stdout.close()
+        if self._master is not None:
+            os.close(self._master)
+            self._master = None
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
         return code

@@ -5,6 +5,7 @@ SIGTERM stops it at any moment, the example job's wait included (issue 37, items
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import subprocess
@@ -25,8 +26,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _ports(**settings: object) -> list[int]:
-    ports = plan(LocalSettings(**settings), serve=True, runtime=True, work=True, moto=True)
-    return [part.port for part in ports.parts()]
+    with plan(LocalSettings(**settings), serve=True, runtime=True, work=True, moto=True) as ports:
+        return [part.port for part in ports.parts()]
 
 
 def test_every_port_follows_the_base_and_two_bases_share_none() -> None:
@@ -34,16 +35,16 @@ def test_every_port_follows_the_base_and_two_bases_share_none() -> None:
     assert _ports(port=a) == [a, a + 1, a + 2, a + 3]
     assert _ports(port=b) == [b, b + 1, b + 2, b + 3]
     settings = LocalSettings(port=b)
-    stack = plan(settings, serve=True, runtime=True, work=True, moto=True)
-    assert container_url(settings, stack) == f"http://127.0.0.1:{b}"  # its own container
+    with plan(settings, serve=True, runtime=True, work=True, moto=True) as stack:
+        assert container_url(settings, stack) == f"http://127.0.0.1:{b}"  # its own container
 
 
 def test_the_parts_are_told_their_ports_and_the_runtime_its_own_container() -> None:
     b = free_block()
     settings = LocalSettings(port=b)
-    stack = plan(settings, serve=True, runtime=True, work=True, moto=True)
-    args = argparse.Namespace(processes=None)
-    env = _child_env(args, settings, stack, f"http://127.0.0.1:{b + 2}")
+    with plan(settings, serve=True, runtime=True, work=True, moto=True) as stack:
+        args = argparse.Namespace(processes=None)
+        env = _child_env(args, settings, stack, f"http://127.0.0.1:{b + 2}")
     assert env["ARBITER_PORT"] == str(b) and env["ARBITER_RUNTIME_PORT"] == str(b + 1)
     assert env["ARBITER_METRICS_PORT"] == str(b + 3)
     assert env["ARBITER_AWS_ENDPOINT_URL"] == f"http://127.0.0.1:{b + 2}"
@@ -72,6 +73,36 @@ def test_a_busy_port_is_refused_naming_the_part_and_the_base() -> None:
     said = refused.value.message
     assert f"port {a + 3}" in said and "worker pool's metrics" in said and "in use" in said
     assert "ARBITER_PORT" in said
+
+
+def test_the_ports_are_held_from_the_plan_so_a_second_stack_is_refused_at_once() -> None:
+    """The plan claims the ports and keeps them until the parts take them over, so a second
+    stack's plan a moment later is refused, not passed (before: checked, then let go)."""
+    a = free_block()
+    settings = LocalSettings(port=a)
+    with plan(settings, serve=True, runtime=True, work=True, moto=True) as first:
+        assert all(part.sock is not None for part in first.parts())
+        with pytest.raises(ArbiterError) as refused:
+            plan(settings, serve=False, runtime=True, work=False, moto=False)
+        assert f"port {a + 1}" in refused.value.message and "in use" in refused.value.message
+    with plan(settings, serve=False, runtime=True, work=False, moto=False) as again:
+        assert again.runtime is not None and again.runtime.port == a + 1
+
+
+def test_a_part_adopts_the_socket_its_stack_claimed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from arbiter.ports import bind, handed_down
+
+    a = free_block()
+    with plan(LocalSettings(port=a), serve=False, runtime=True, work=False, moto=False) as stack:
+        assert stack.runtime is not None and stack.runtime.sock is not None
+        held = stack.runtime.sock
+        monkeypatch.setenv("ARBITER_LISTEN_FDS", f"{a + 1}={held.dup().detach()}")
+        assert handed_down([held]) == {"ARBITER_LISTEN_FDS": f"{a + 1}={held.fileno()}"}
+        with bind("127.0.0.1", a + 1, "the runtime API", "ARBITER_RUNTIME_PORT") as adopted:
+            assert adopted.getsockname()[1] == a + 1
+            assert "ARBITER_LISTEN_FDS" not in os.environ  # adopted once, never twice
+            with pytest.raises(ArbiterError):  # a second bind is a bind: the port is taken
+                bind("127.0.0.1", a + 1, "the runtime API", "ARBITER_RUNTIME_PORT").close()
 
 
 @pytest.mark.real_model
@@ -111,13 +142,45 @@ def test_a_busy_port_is_one_line_before_any_model_loads(command: str) -> None:
     assert time.monotonic() - started < 30
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_two_stacks_started_together_on_one_base_one_is_refused_in_one_line() -> None:
+    """Started 0.2 s apart, the stack that claims the ports second exits in one line, status 2,
+    within 20 s, and the other comes up (before: moto's server thread could not bind and the second
+    stack waited forever; Ctrl-C then printed a traceback). Which one claims first is the kernel's
+    choice: the first started usually, the second under load."""
+    base = free_block()
+    env = local_env(ARBITER_LOCAL_STATE_DIR="")
+    args = ["--port", str(base), "--no-serve"]
+    stacks = [Local(args, env)]
+    time.sleep(0.2)
+    stacks.append(Local(args, env))
+    started = time.monotonic()
+    try:
+        while all(s.popen.poll() is None for s in stacks) and time.monotonic() - started < 20:
+            time.sleep(0.1)
+        took = time.monotonic() - started
+        refused = [s for s in stacks if s.popen.poll() is not None]
+        assert len(refused) == 1, f"{took:.1f} s\n" + "\n---\n".join(s.text() for s in stacks)
+        running = next(s for s in stacks if s is not refused[0])
+        running.wait_for(lambda line: "arbiter local is up" in line)
+        assert running.popen.poll() is None, running.text()
+    finally:
+        codes = [s.close() for s in stacks]
+    lines = refused[0].text().strip().splitlines()
+    assert refused[0].popen.returncode == 2, refused[0].text()
+    assert len(lines) == 1 and "in use (another stack?)" in lines[0], lines
+    assert codes[stacks.index(running)] == 0, running.text()
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name
+)
 def test_a_signal_stops_the_stack_while_it_waits_for_the_example_job(
     sig: signal.Signals, tmp_path: object
 ) -> None:
     """The worker's engine takes 60 s a decision, so the example job is still running when the
     signal comes: the stack stops within 10 s, its parts with it, status 0 (before: SIGINT and
-    SIGTERM were ignored for up to 15 minutes)."""
+    SIGTERM were ignored for up to 15 minutes). SIGHUP goes to the whole job, as a shell sends it
+    when its terminal closes (before: each process died of it, the job's message left held)."""
     env = local_env(ARBITER_FAKE_DELAY_S="60")
     stack = Local(
         ["--port", "0", "--no-serve", "--no-runtime", "--submit", "examples/job.jsonl"], env
@@ -126,7 +189,10 @@ def test_a_signal_stops_the_stack_while_it_waits_for_the_example_job(
         stack.wait_for(lambda line: "arbiter local is up" in line)
         stack.wait_for(lambda line: line.startswith("waiting for s3://"))
         time.sleep(1.0)  # the job is taken, its first chunk computing
-        stack.popen.send_signal(sig)
+        if sig == signal.SIGHUP:
+            stack.signal_group(sig)
+        else:
+            stack.popen.send_signal(sig)
         started = time.monotonic()
         code = stack.popen.wait(timeout=30)
         took = time.monotonic() - started
@@ -135,6 +201,56 @@ def test_a_signal_stops_the_stack_while_it_waits_for_the_example_job(
     assert code == 0, stack.text()
     assert took < 10, f"{took:.1f} s\n{stack.text()}"
     assert "pool.stopped" in stack.text()
+
+
+def _gone(group: int, within_s: float) -> bool:
+    """Whether every process of ``group`` has exited within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.real_model
+def test_a_stop_while_the_model_loads_ends_every_process_within_8_s() -> None:
+    """Ctrl-C (SIGINT to the job) while the container loads the bundled model, in its read check
+    (2-13 s here): the load is cancelled, every process gone within 8 s, status 0 (before: the
+    container finished its load first, 23 s with the 1.5B, and was killed at the drain deadline,
+    status 1)."""
+    stack = Local(["--port", "0", "--no-runtime"], local_env())  # the pool's engine: a fake one
+    try:
+        stack.wait_for(lambda line: "read_check_started" in line)
+        stack.signal_group(signal.SIGINT)
+        started = time.monotonic()
+        code = stack.popen.wait(timeout=60)
+        gone = _gone(stack.popen.pid, 60)
+        took = time.monotonic() - started
+    finally:
+        stack.close()
+    text = stack.text()
+    assert gone and took < 8, f"{took:.1f} s\n{text}"
+    assert code in (0, 130), text
+    assert "model_load_cancelled" in text and "model_loaded" not in text, text
+    assert "Traceback" not in text, text
+
+
+@pytest.mark.real_model
+def test_the_example_jobs_last_line_names_this_stacks_own_container() -> None:
+    """`--submit`'s last line says where to curl: this stack's container, not localhost:8080
+    whatever the port."""
+    base = free_block()
+    args = ["--port", str(base), "--no-runtime", "--submit", "examples/job.jsonl"]
+    stack = Local(args, local_env(ARBITER_LOCAL_STATE_DIR=""))
+    try:
+        last = stack.wait_for(lambda line: line.startswith("the stack keeps running"), 300)
+    finally:
+        code = stack.close()
+    assert f"(curl http://127.0.0.1:{base}/ping)" in last and ":8080" not in last, last
+    assert "job summary:" in stack.text() and code == 0, stack.text()
 
 
 def test_up_is_said_once_the_parts_answer_and_a_part_that_dies_stops_the_stack() -> None:
@@ -181,3 +297,23 @@ async def test_the_job_queue_takes_changed_settings_and_keeps_its_messages(endpo
     assert again["queue_url"] == first["queue_url"]
     assert got["Attributes"]["VisibilityTimeout"] == "90"
     assert "kept" in bodies
+
+
+def test_the_stacks_own_lines_outlive_a_closed_terminal() -> None:
+    """A write the closed terminal (here: a pipe nobody reads) refuses sends that stream and what
+    follows to /dev/null, instead of raising in the middle of a stop."""
+    import io
+
+    from worker.local_terminal import Outliving
+
+    read, write = os.pipe()
+    os.close(read)
+    stream = io.TextIOWrapper(io.FileIO(write, "w"), line_buffering=False)
+    out = Outliving(stream)
+    out.write("arbiter local: stopping\n")
+    out.flush()  # EPIPE
+    assert out.lost
+    out.write("kept the local S3 + SQS state\n")
+    out.flush()
+    assert os.readlink(f"/proc/self/fd/{write}") == os.devnull
+    stream.close()

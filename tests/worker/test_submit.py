@@ -20,6 +20,7 @@ from tests.environ import environ_without
 from tests.fakes import FakeEngine, decision_line
 from tests.worker.support import make_consumer, settings_for
 from worker import progress
+from worker import submit as submit_module
 from worker.stack import ensure_stack
 from worker.submit import submit
 
@@ -69,6 +70,7 @@ async def test_a_small_job_shows_queued_then_its_lines_and_a_repeat_says_it_is_a
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(progress, "EVERY_S", 0.0)  # every chunk's count written
+    monkeypatch.setattr(submit_module, "LOG_EVERY_S", 0.0)  # and every change said
     settings = settings_for(endpoint, chunk_decisions=2)
     job = tmp_path / "small.jsonl"
     job.write_text("\n".join(decision_line(i) for i in range(10)) + "\n")
@@ -96,3 +98,36 @@ async def test_a_small_job_shows_queued_then_its_lines_and_a_repeat_says_it_is_a
     assert "earlier run" not in first
     assert again == summary  # the same summary, returned at once...
     assert "unchanged since an earlier run" in second  # ...and said to be the earlier run's
+
+
+async def test_progress_into_a_log_is_a_line_per_change_never_a_repainted_frame(
+    endpoint: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """stderr is no terminal here (captured, as a log or CI's is): the bar's frames ("\\r" and
+    a repaint every 0.5 s, dozens for a job of seconds) become a line per change, at most one a
+    second here, the last always."""
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    monkeypatch.setattr(submit_module, "LOG_EVERY_S", 1.0)
+    settings = settings_for(endpoint, chunk_decisions=1)
+    job = tmp_path / "logged.jsonl"
+    job.write_text("\n".join(decision_line(i) for i in range(12)) + "\n")
+    async with aws_clients(endpoint) as (s3, sqs):
+        await ensure_stack(s3, sqs, settings)
+        consumer, _ = await make_consumer(settings, s3, sqs, FakeEngine(delay_s=0.25))
+        task = asyncio.create_task(consumer.run())
+        try:
+            started = time.monotonic()
+            summary = await submit(settings, job, timeout_s=60)
+            took = time.monotonic() - started
+        finally:
+            consumer.stop()
+            await task
+    said = capsys.readouterr().err
+    assert summary is not None and summary["lines"] == 12
+    assert "\r" not in said and "\x1b" not in said, repr(said)
+    lines = [line for line in said.splitlines() if line.startswith("arbiter submit: ")]
+    assert lines[0] == "arbiter submit: queued (12 lines)" and lines[-1].endswith("lines 12/12")
+    assert len(lines) == len(set(lines)) and len(lines) <= took + 2, (took, lines)
