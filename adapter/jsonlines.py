@@ -13,7 +13,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from adapter.admission import Admission
-from adapter.bodies import iter_lines
+from adapter.bodies import body_pieces
 from adapter.budgets import Cancellable
 from adapter.metrics import Metrics
 from adapter.state import REQUEST_LOG, RequestLog, State
@@ -21,12 +21,12 @@ from adapter.streaming import OPEN_STREAM, OpenStream
 from arbiter import jsonio
 from arbiter.engine import Budget, Engine
 from arbiter.errors import ArbiterError, EngineFailure, PayloadTooLarge, RequestTimeout, ServerBusy
-from arbiter.lines import score_lines
+from arbiter.lines import LineReader, Numbered, score_lines
 from arbiter.logging import get_logger
 from arbiter.scorer import Scorer
 from arbiter.settings import MB, ServerSettings
 
-Batch = list[tuple[int, bytes | ArbiterError]]
+Batch = list[Numbered]
 log = get_logger("arbiter.http")
 
 
@@ -80,9 +80,14 @@ class LinesResponse:
         self.metrics = metrics
         self.settings = settings
         self.info = info  # the request log: decisions and tokens are added up here
-        self.number = 0  # the last line number read
+        max_line = int(settings.max_body_mb * MB)
+        self.reader = LineReader(
+            max_line,
+            lambda: PayloadTooLarge(f"the line is over {max_line / MB:g} MB (ARBITER_MAX_BODY_MB)"),
+        )
         self.response = web.StreamResponse(headers={"Content-Type": "application/jsonlines"})
-        self.stream = OpenStream(self.response, lambda e: error_record(self.number + 1, e))
+        # A stop is the record of the line after the last one read.
+        self.stream = OpenStream(self.response, lambda e: error_record(self.reader.number + 1, e))
         request[OPEN_STREAM] = self.stream
 
     async def run(self) -> web.StreamResponse:
@@ -91,14 +96,11 @@ class LinesResponse:
         batch: Batch = []
         size = 0
         try:
-            lines = iter_lines(
-                self.request.content, max_line, int(s.max_jsonl_mb * MB), s.body_read_timeout_s
+            body = body_pieces(
+                self.request.content, int(s.max_jsonl_mb * MB), s.body_read_timeout_s
             )
-            async for line in lines:
-                self.number += 1
-                if isinstance(line, bytes) and not line.strip():
-                    continue  # blank lines carry no record (as in `arbiter decide`)
-                batch.append((self.number, line))
+            async for number, line in self.reader.alines(body):
+                batch.append((number, line))
                 size += len(line) if isinstance(line, bytes) else 0
                 if len(batch) >= s.jsonl_chunk or size >= max_line:
                     await self._flush(batch)

@@ -1,38 +1,136 @@
 """JSON Lines of decisions: one output record per input line, errors beside results.
 
-Shared by `arbiter decide` and the adapter's `application/jsonlines` path, so a file scored locally
-and the same file posted to a SageMaker endpoint give the same records.
+`arbiter decide` and `arbiter prompt` (a file), `POST /invocations` with `application/jsonlines`
+(a streamed body) and S3 jobs (an object, run whole or in shards) read their lines with one
+reader, :class:`LineReader`:
+
+- a UTF-8 byte order mark at the very start is dropped (editors on Windows write one);
+- a line ends at ``\\n``; the ``\\r`` of a CRLF is JSON whitespace; the last line needs no line end;
+- a line of whitespace only has no record, but counts in the numbering records carry.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import math
 import re
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from arbiter import jsonio
-from arbiter.errors import ArbiterError, EngineFailure, InvalidDecision
+from arbiter.errors import ArbiterError, EngineFailure, InvalidDecision, PayloadTooLarge
 from arbiter.logging import get_logger
 from arbiter.schema import DecisionRequest, DecisionResult
 from arbiter.scorer import Scorer
 
 log = get_logger("arbiter.lines")
 
+PIECE = 1 << 20  # bytes read from a file at a time
+BOM = codecs.BOM_UTF8
+_BLANKS = re.compile(rb"[ \t\r\n\x0b\x0c]+")  # what bytes.strip() strips
+
+Numbered = tuple[int, bytes | ArbiterError]
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+
+class LineReader:
+    """Bytes fed in pieces of any size -> numbered non-blank lines, undecoded (a line that is not
+    UTF-8 is its own error where it is parsed). ``number``: the lines ended so far, blank ones too.
+
+    A line over ``max_line`` bytes is dropped as it streams by and given as ``too_long()``, so
+    memory holds one line at most; runs of blank lines are skipped without being copied. Each
+    :meth:`feed` must be iterated to its end before the next.
+    """
+
+    def __init__(
+        self, max_line: int | None = None, too_long: Callable[[], ArbiterError] | None = None
+    ) -> None:
+        self.max_line = sys.maxsize if max_line is None else max_line
+        self.too_long = too_long or (
+            lambda: PayloadTooLarge(f"the line is over {self.max_line:,} bytes")
+        )
+        self.number = 0
+        self._buf = bytearray()  # the start of the current line
+        self._skipping = False  # the current line is over the limit: its bytes are dropped
+        self._head: bytes | None = b""  # the first bytes, until they show whether a BOM leads
+
+    def feed(self, piece: bytes) -> Iterator[Numbered]:
+        """The lines that ``piece`` ends."""
+        if self._head is not None:
+            piece = self._head + piece
+            if len(piece) < len(BOM) and BOM.startswith(piece):
+                self._head = piece  # too short to tell yet
+                return
+            self._head = None
+            piece = piece.removeprefix(BOM)
+        buf = self._buf
+        start, end = 0, len(piece)
+        while start < end:
+            if not buf and not self._skipping and (blank := _BLANKS.match(piece, start)):
+                self.number += piece.count(b"\n", start, blank.end())
+                start = blank.end()
+                continue
+            newline = piece.find(b"\n", start)
+            if newline < 0:
+                break
+            self.number += 1
+            if self._skipping or len(buf) + newline - start > self.max_line:
+                yield self.number, self.too_long()
+            else:
+                buf += piece[start:newline]
+                if buf.strip():
+                    yield self.number, bytes(buf)
+            buf.clear()
+            self._skipping = False
+            start = newline + 1
+        if start < end and not self._skipping:
+            if len(buf) + end - start > self.max_line:
+                buf.clear()
+                self._skipping = True
+            else:
+                buf += piece[start:end]
+
+    def end(self) -> Iterator[Numbered]:
+        """The last line, which needs no line end."""
+        head, self._head = self._head, None
+        if head:  # the whole input is shorter than a BOM and starts like one: it is a line
+            yield from self.feed(head)
+        if self._skipping:
+            yield self.number + 1, self.too_long()
+        elif self._buf.strip():
+            yield self.number + 1, bytes(self._buf)
+        self._buf.clear()
+        self._skipping = False
+
+    def lines(self, pieces: Iterable[bytes]) -> Iterator[Numbered]:
+        for piece in pieces:
+            yield from self.feed(piece)
+        yield from self.end()
+
+    async def alines(self, pieces: AsyncIterable[bytes]) -> AsyncIterator[Numbered]:
+        """:meth:`lines` of a stream; an error the stream raises ends it (after the lines of the
+        pieces before), and ``number`` then says how far it got."""
+        async for piece in pieces:
+            for line in self.feed(piece):
+                yield line
+        for line in self.end():
+            yield line
+
 
 def numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """A JSON Lines file's non-blank lines with their 1-based numbers, as bytes split at ``\n``
-    (as a job's or an HTTP body's lines are read): a line that is not UTF-8 is decoded where it is
-    parsed and becomes its own ``invalid_json`` record, where reading the file as text stopped the
-    whole command at that line with a traceback (issue 35)."""
+    """A JSON Lines file's non-blank lines with their 1-based numbers (see the module doc)."""
     with path.open("rb") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                yield number, line
+        for number, line in LineReader().lines(iter(lambda: handle.read(PIECE), b"")):
+            if isinstance(line, ArbiterError):  # none without a limit on a line's length
+                raise line
+            yield number, line
 
 
 def chunk_size(text: str) -> int:
