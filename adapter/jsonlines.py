@@ -18,10 +18,9 @@ from adapter.budgets import Cancellable
 from adapter.metrics import Metrics
 from adapter.state import REQUEST_LOG, RequestLog, State
 from adapter.streaming import OPEN_STREAM, OpenStream
-from arbiter import jsonio
 from arbiter.engine import Budget, Engine
 from arbiter.errors import ArbiterError, EngineFailure, PayloadTooLarge, RequestTimeout, ServerBusy
-from arbiter.lines import LineReader, Numbered, score_lines
+from arbiter.lines import LineReader, Numbered, encode_record, score_lines
 from arbiter.logging import get_logger
 from arbiter.scorer import Scorer
 from arbiter.settings import MB, ServerSettings
@@ -31,13 +30,13 @@ log = get_logger("arbiter.http")
 
 
 def error_record(number: int, error: ArbiterError) -> bytes:
-    return jsonio.dumps({"line": number, "id": None, "error": error.to_dict()}) + b"\n"
+    return encode_record(number, None, error)[0]
 
 
 def score_chunk(engine: Scorer, metrics: Metrics, batch: Batch) -> tuple[bytes, int, int]:
     """Score and serialize one chunk of lines: one output line per input line, whatever happens."""
     try:
-        records = score_lines(engine, list(batch), metrics.observe_decision)
+        written = score_lines(engine, list(batch), metrics.observe_decision)
     except Exception as exc:  # a fault outside any one decision: every line of the chunk says so
         if isinstance(exc, ArbiterError):
             failure = exc
@@ -46,10 +45,9 @@ def score_chunk(engine: Scorer, metrics: Metrics, batch: Batch) -> tuple[bytes, 
             failure = EngineFailure(
                 f"this chunk could not be scored ({type(exc).__name__}); see the server log"
             )
-        records = [{"line": n, "id": None, "error": failure.to_dict()} for n, _ in batch]
-    tokens = sum(r["result"]["prompt"]["input_tokens"] for r in records if "result" in r)
-    body = b"".join(jsonio.dumps(r) + b"\n" for r in records)
-    return body, len(records), tokens
+        written = [encode_record(n, None, failure) for n, _ in batch]
+    tokens = sum(o.prompt.input_tokens for _, o in written if not isinstance(o, ArbiterError))
+    return b"".join(data for data, _ in written), len(written), tokens
 
 
 async def respond(request: web.Request, state: State) -> web.StreamResponse:

@@ -1,12 +1,16 @@
-"""JSON Lines of decisions: one output record per input line, errors beside results.
+"""JSON Lines of decisions: one reader, one parser and one record builder for every way in.
 
 `arbiter decide` and `arbiter prompt` (a file), `POST /invocations` with `application/jsonlines`
-(a streamed body) and S3 jobs (an object, run whole or in shards) read their lines with one
-reader, :class:`LineReader`:
+(a streamed body) and S3 jobs (an object, run whole or in shards) read their lines here, so one
+file gives the same records whichever way it comes in:
 
 - a UTF-8 byte order mark at the very start is dropped (editors on Windows write one);
 - a line ends at ``\\n``; the ``\\r`` of a CRLF is JSON whitespace; the last line needs no line end;
-- a line of whitespace only has no record, but counts in the numbering records carry.
+- a line of whitespace only has no record, but counts in the numbering records carry;
+- a line is strict JSON (:func:`arbiter.jsonio.loads`): bytes that are not UTF-8 (Latin-1, say),
+  ``NaN`` and ``Infinity``, and nesting past the parser's limit are ``invalid_json``;
+- an invalid line's record echoes its ``id`` only when it is a string, a number or a boolean;
+- a record is always strict JSON: a result that cannot be written (NaN) is an ``engine_failure``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import re
 import sys
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
@@ -26,7 +30,7 @@ from arbiter import jsonio
 from arbiter.errors import ArbiterError, EngineFailure, InvalidDecision, PayloadTooLarge
 from arbiter.logging import get_logger
 from arbiter.schema import DecisionRequest, DecisionResult
-from arbiter.scorer import Scorer
+from arbiter.scorer import Outcome, Scorer
 
 log = get_logger("arbiter.lines")
 
@@ -145,6 +149,9 @@ def chunk_size(text: str) -> int:
     return value
 
 
+# -- a decision ------------------------------------------------------------------------------------
+
+
 # A union member's tag in an error's location (``function-after[unicode_text(), str]``,
 # ``list[TextPart]``): pydantic's, not a field of the request.
 _UNION_TAG = re.compile(r"^[\w-]+\[.*\]$")
@@ -166,10 +173,6 @@ def validation_error(exc: ValidationError, prefix: str | None = None) -> Invalid
     if param:
         message = f"{param}: {message}"
     return InvalidDecision(message, param=param, code="invalid_field")
-
-
-def parse_decision_line(line: str | bytes) -> DecisionRequest:
-    return validate_decision(jsonio.loads(line, "the line"))
 
 
 def validate_decision(raw: Any, prefix: str | None = None) -> DecisionRequest:
@@ -200,6 +203,66 @@ def echo_id(raw: Any) -> Any:
     return None
 
 
+# -- parsing ---------------------------------------------------------------------------------------
+
+
+def parse_decision_line(line: str | bytes) -> DecisionRequest:
+    return validate_decision(jsonio.loads(line, "the line"))
+
+
+class Item(NamedTuple):
+    """One line (or a job's ``.json`` element) parsed: its 1-based number, the decision or the
+    error it earned, the id its record carries, and its size in bytes (to bound a chunk)."""
+
+    line: int
+    value: DecisionRequest | ArbiterError
+    id: Any = None
+    size: int = 0
+
+
+def parse_line(number: int, data: str | bytes | ArbiterError, what: str = "line") -> Item:
+    """The decision in one line, or the error that says why there is none (an item that is already
+    an error, a line too long to read, stays one)."""
+    if isinstance(data, ArbiterError):
+        return Item(number, data)
+    raw: Any = None
+    try:
+        raw = jsonio.loads(data, f"the {what}")
+        decision = validate_decision(raw)
+    except ArbiterError as exc:
+        return Item(number, exc, echo_id(raw), len(data))
+    return Item(number, decision, decision.id, len(data))
+
+
+# -- records ---------------------------------------------------------------------------------------
+
+
+def record(number: int, rid: Any, outcome: Outcome) -> dict[str, Any]:
+    """The output record of line ``number``: ``{"line", "id", "result" | "error"}``."""
+    if isinstance(outcome, ArbiterError):
+        return {"line": number, "id": rid, "error": outcome.to_dict()}
+    return {"line": number, "id": rid, "result": outcome.model_dump(mode="json")}
+
+
+def encode_record(number: int, rid: Any, outcome: Outcome) -> tuple[bytes, Outcome]:
+    """The record as one line of strict JSON, and the outcome it holds: a result that cannot be
+    written (NaN) becomes an ``engine_failure``, an id that cannot is left out."""
+    try:
+        return jsonio.dumps(record(number, rid, outcome), strict=True) + b"\n", outcome
+    except (ValueError, TypeError, RecursionError) as exc:
+        if not isinstance(outcome, ArbiterError):
+            outcome = EngineFailure(f"the engine's result cannot be written as JSON: {exc}")
+    for candidate in (rid, None):
+        try:
+            return jsonio.dumps(record(number, candidate, outcome), strict=True) + b"\n", outcome
+        except (ValueError, TypeError, RecursionError):
+            continue
+    raise AssertionError("unreachable: an error record without an id is always JSON")
+
+
+# -- scoring ---------------------------------------------------------------------------------------
+
+
 Line = str | bytes | ArbiterError
 
 
@@ -207,24 +270,14 @@ def score_lines(
     engine: Scorer,
     batch: list[tuple[int, Line]],
     observe: Callable[[DecisionResult | ArbiterError], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Parse and score numbered lines in one engine call (shared states are grouped).
+) -> list[tuple[bytes, Outcome]]:
+    """Parse and score numbered lines in one engine call (shared states are grouped): each line's
+    encoded record and the outcome it holds.
 
     An item may already be an error (a line too long to read); bad lines become error records.
     """
-    parsed: list[tuple[int, DecisionRequest | ArbiterError, Any]] = []
-    for number, line in batch:
-        if isinstance(line, ArbiterError):
-            parsed.append((number, line, None))
-            continue
-        raw: Any = None
-        try:
-            raw = jsonio.loads(line, "the line")
-            decision = validate_decision(raw)
-            parsed.append((number, decision, decision.id))
-        except ArbiterError as exc:
-            parsed.append((number, exc, echo_id(raw)))
-    decisions = [d for _, d, _ in parsed if isinstance(d, DecisionRequest)]
+    parsed = [parse_line(number, line) for number, line in batch]
+    decisions = [item.value for item in parsed if isinstance(item.value, DecisionRequest)]
     try:
         scored = engine.score(decisions) if decisions else []
     except Exception as exc:  # the whole call failed: each of its lines says so, none is lost
@@ -237,13 +290,11 @@ def score_lines(
         )
         scored = [failure] * len(decisions)
     outcomes = iter(scored)
-    records: list[dict[str, Any]] = []
-    for number, item, rid in parsed:
-        outcome = next(outcomes) if isinstance(item, DecisionRequest) else item
+    written: list[tuple[bytes, Outcome]] = []
+    for item in parsed:
+        outcome = next(outcomes) if isinstance(item.value, DecisionRequest) else item.value
+        data, outcome = encode_record(item.line, item.id, outcome)
         if observe is not None:
             observe(outcome)
-        if isinstance(outcome, ArbiterError):
-            records.append({"line": number, "id": rid, "error": outcome.to_dict()})
-        else:
-            records.append({"line": number, "id": rid, "result": outcome.model_dump()})
-    return records
+        written.append((data, outcome))
+    return written

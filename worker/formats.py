@@ -9,6 +9,9 @@ bad JSON, nesting too deep for the parser, an integer too long to convert, a sch
 broken stream ends the input early, with one error item: corrupt or truncated gzip, or a ``.json``
 document whose structure breaks (a missing comma, an unterminated element).
 
+Lines are split, parsed and given their records by :mod:`arbiter.lines`, as `arbiter decide` and
+the HTTP JSON Lines path read theirs, so a file gives the same records whichever way it comes in.
+
 The readers are async iterators of bounded items; :func:`raw_items_for` gives them undecoded, which is
 what a large job is split into shards by (:mod:`worker.fanout.split`).
 """
@@ -19,11 +22,9 @@ import json
 import re
 import zlib
 from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
 
-from arbiter.errors import ArbiterError, MalformedRequest, PayloadTooLarge
-from arbiter.lines import BOM, LineReader, Numbered, validate_decision
-from arbiter.schema import DecisionRequest
+from arbiter.errors import MalformedRequest, PayloadTooLarge
+from arbiter.lines import BOM, Item, LineReader, Numbered, parse_line
 
 PIECE = 1 << 20  # bytes read from S3, or inflated from gzip, at a time
 DEFAULT_MAX_ITEM = 6 << 20  # as the adapter's largest JSON body
@@ -36,16 +37,6 @@ _CLOSES = re.compile(rb"[\]}]+")
 _SCALAR = re.compile(rb"[^,\]}\s]*")
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
 _OPENERS = b"[{"
-
-
-class Item(NamedTuple):
-    """One line (or element) of a job: its 1-based number, what it holds, its raw ``id`` (kept
-    for an error record), and its size in bytes (for bounding a chunk)."""
-
-    line: int
-    value: DecisionRequest | ArbiterError
-    raw_id: Any = None
-    size: int = 0
 
 
 class CorruptInput(Exception):
@@ -112,36 +103,6 @@ def _corrupt(exc: CorruptInput) -> MalformedRequest:
     return MalformedRequest(f"{exc}; nothing after this point was read", code="invalid_gzip")
 
 
-# -- one line or element ---------------------------------------------------------------------------
-
-
-def decode_item(line: int, data: bytes, what: str = "line") -> Item:
-    """The decision in one line's bytes, or the error that explains why there is none."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return Item(
-            line, MalformedRequest(f"the {what} is not valid UTF-8: {exc}"), None, len(data)
-        )
-    try:
-        raw = json.loads(text)
-    except RecursionError:
-        error = MalformedRequest(f"the {what} is nested too deeply to read")
-        return Item(line, error, None, len(data))
-    except ValueError as exc:  # JSONDecodeError, or an integer too long to convert
-        return Item(line, MalformedRequest(f"the {what} is not valid JSON: {exc}"), None, len(data))
-    raw_id = raw.get("id") if isinstance(raw, dict) else None
-    return Item(line, validate(raw), raw_id, len(data))
-
-
-def validate(raw: Any) -> DecisionRequest | ArbiterError:
-    """A parsed JSON value as a decision, or the typed error naming the offending field."""
-    try:
-        return validate_decision(raw)
-    except ArbiterError as exc:
-        return exc
-
-
 # -- JSON Lines ------------------------------------------------------------------------------------
 
 
@@ -160,12 +121,9 @@ async def lines(
 
 
 async def decode_items(raw: AsyncIterator[Numbered], what: str = "line") -> AsyncIterator[Item]:
-    """Numbered raw lines (or elements) -> items: each decoded, or kept as the error it already is."""
+    """Numbered raw lines (or elements) -> items: each parsed, or kept as the error it already is."""
     async for number, data in raw:
-        if isinstance(data, ArbiterError):
-            yield Item(number, data)
-        else:
-            yield decode_item(number, data, what)
+        yield parse_line(number, data, what)
 
 
 def jsonl_items(

@@ -1,16 +1,19 @@
 """The one JSON Lines reader (``arbiter.lines.LineReader``): whatever pieces the bytes arrive in, the
-same numbered lines, as the module doc says they are read."""
+same numbered lines, as the module doc says they are read; and one record per parsed line."""
 
 from __future__ import annotations
 
 import codecs
 import itertools
+import json
+import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arbiter.errors import ArbiterError
-from arbiter.lines import LineReader
+from arbiter.errors import ArbiterError, EngineFailure
+from arbiter.lines import LineReader, encode_record, parse_line
+from tests.fakes import decision, uniform_result
 
 MAX_LINE = 16
 
@@ -79,3 +82,27 @@ def test_a_stream_that_stops_says_how_far_it_got() -> None:
     reader = LineReader()
     assert list(reader.feed(b'{"a": 1}\n\n\n{"b"')) == [(1, b'{"a": 1}')]
     assert reader.number == 3  # the next record is line 4's
+
+
+def test_an_invalid_lines_id_is_echoed_only_when_it_is_a_scalar() -> None:
+    assert parse_line(1, b'{"id": 7}').id == 7
+    assert parse_line(1, b'{"id": "x", "state": 1}').id == "x"
+    assert parse_line(1, b'{"id": {"k": [1]}}').id is None
+    assert parse_line(1, b'{"id": [1, 2]}').id is None
+    assert parse_line(1, b'{"id": 1e999}').id is None  # infinity is no JSON number
+    nan = parse_line(1, b'{"id": "x", "temperature": NaN}')
+    assert isinstance(nan.value, ArbiterError) and nan.value.code == "invalid_json"
+    latin1 = parse_line(1, '{"id": "caf\u00e9"}'.encode("latin-1"))
+    assert isinstance(latin1.value, ArbiterError) and latin1.value.code == "invalid_json"
+
+
+def test_a_record_is_strict_json_whatever_the_engine_returns() -> None:
+    d = decision("d1")
+    bad = uniform_result(d).model_copy(update={"probabilities": [math.nan, math.nan]})
+    data, outcome = encode_record(3, "d1", bad)
+    record = json.loads(data)
+    assert isinstance(outcome, EngineFailure)
+    assert record["line"] == 3 and record["id"] == "d1"
+    assert record["error"]["code"] == "engine_failure"
+    good, _ = encode_record(4, "caf\u00e9", uniform_result(d))
+    assert good.endswith(b"\n") and json.loads(good)["id"] == "caf\u00e9"
