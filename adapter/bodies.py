@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import StreamReader, web
 
 from arbiter import jsonio
-from arbiter.errors import ArbiterError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from arbiter.errors import PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from arbiter.settings import MB, ServerSettings
 
 JSON_TYPES = {"application/json", "text/json"}
@@ -78,47 +78,19 @@ async def json_body(request: web.Request, settings: ServerSettings) -> Any:
     return await asyncio.to_thread(jsonio.loads, await read_json(request, settings))
 
 
-async def iter_lines(
-    stream: StreamReader, max_line: int, max_total: int, idle_s: float
-) -> AsyncIterator[bytes | ArbiterError]:
-    """Lines of a streamed body without holding it: an over-long line becomes its error.
+async def body_pieces(stream: StreamReader, max_total: int, idle_s: float) -> AsyncIterator[bytes]:
+    """A streamed body's bytes as they arrive, without holding it.
 
-    Raises ``PayloadTooLarge`` past ``max_total`` bytes and ``RequestTimeout`` when the client
-    stalls; the lines yielded before that are complete.
+    Raises ``PayloadTooLarge`` past ``max_total`` bytes (after the bytes within the limit, so the
+    lines they complete are still answered) and ``RequestTimeout`` when the client stalls.
     """
-    buf = bytearray()
-    skipping = False
     total = 0
-
-    def too_long() -> PayloadTooLarge:
-        return PayloadTooLarge(f"the line is over {max_line / MB:g} MB (ARBITER_MAX_BODY_MB)")
-
-    over = False
-    while not over and (data := await _next(stream, idle_s)):
+    while data := await _next(stream, idle_s):
         total += len(data)
-        if total > max_total:  # the complete lines within the limit are still yielded
-            data, over = data[: len(data) - (total - max_total)], True
-        start = 0
-        while (end := data.find(b"\n", start)) != -1:
-            if skipping or len(buf) + end - start > max_line:
-                yield too_long()
-            else:
-                buf += data[start:end]
-                yield bytes(buf)
-            buf.clear()
-            skipping = False
-            start = end + 1
-        if not skipping:
-            buf += data[start:]
-            if len(buf) > max_line:
-                buf.clear()
-                skipping = True
-    if over:
-        raise PayloadTooLarge(
-            f"the body is over {max_total / MB:g} MB (ARBITER_MAX_JSONL_MB); the lines before "
-            "this point were answered"
-        )
-    if skipping:
-        yield too_long()
-    elif buf.strip():
-        yield bytes(buf)
+        if total > max_total:
+            yield data[: len(data) - (total - max_total)]
+            raise PayloadTooLarge(
+                f"the body is over {max_total / MB:g} MB (ARBITER_MAX_JSONL_MB); the lines "
+                "before this point were answered"
+            )
+        yield data

@@ -93,34 +93,9 @@ async def invocations(request: web.Request) -> web.StreamResponse:
             code="unknown_request_shape",
         )
     request[REQUEST_LOG].kind = kinds[0]
-    if kinds[0] == "decision":
-        return await _single(request, state, raw)
-    if kinds[0] == "decisions":
-        return await _many(request, state, raw)
-    return await chat.respond(request, state, raw)
-
-
-async def _single(request: web.Request, state: State, raw: dict[str, Any]) -> web.Response:
-    decision = validate_decision(raw["decision"], "decision")
-    engine = state.holder.require()
-    request[REQUEST_LOG].decisions = 1
-    refused = budgets.screen(state.settings, engine, [decision])[0]  # before it takes a slot
-    if refused is not None:
-        raise refused.with_param_prefix("decision")
-
-    def work(slot: Slot) -> tuple[Outcome, bytes]:
-        outcome = engine.score([decision], budgets.limits(state.settings, engine, slot))[0]
-        state.metrics.observe_decision(outcome)
-        if isinstance(outcome, ArbiterError):
-            return outcome, b""
-        return outcome, jsonio.dumps({"result": outcome.model_dump()})
-
-    async with state.admission.slot() as slot:
-        outcome, body = await slot.run(work, slot)
-    if isinstance(outcome, ArbiterError):
-        raise outcome.with_param_prefix("decision")
-    request[REQUEST_LOG].tokens = outcome.prompt.input_tokens
-    return web.Response(body=body, content_type="application/json")
+    if kinds[0] == "messages":
+        return await chat.respond(request, state, raw)
+    return await _decide(request, state, raw, single=kinds[0] == "decision")
 
 
 def validate_many(raw: Any, limit: int) -> list[DecisionRequest]:
@@ -144,16 +119,51 @@ def validate_many(raw: Any, limit: int) -> list[DecisionRequest]:
     return decisions
 
 
-async def _many(request: web.Request, state: State, raw: dict[str, Any]) -> web.Response:
+class Decisions:
+    """The decisions of one request: ``decision`` is the one-item case of ``decisions``, read,
+    named in errors and answered here for both."""
+
+    def __init__(self, raw: dict[str, Any], single: bool, limit: int) -> None:
+        self.single = single
+        if single:
+            self.decisions = [validate_decision(raw["decision"], "decision")]
+        else:
+            self.decisions = validate_many(raw["decisions"], limit)
+
+    def where(self, index: int) -> str:
+        """The field an item's error is named under (``decision.options``, ``decisions.2.id``)."""
+        return "decision" if self.single else f"decisions.{index}"
+
+    def body(self, outcomes: list[Outcome], timing: dict[str, Any]) -> bytes:
+        """The answer once one item at least has a result (see :func:`_decide`)."""
+        if self.single:
+            (outcome,) = outcomes
+            if isinstance(outcome, ArbiterError):  # :func:`_decide` raised it already
+                raise outcome.with_param_prefix(self.where(0))
+            return jsonio.dumps({"result": outcome.model_dump()})
+        results = [
+            {"id": d.id, "error": o.with_param_prefix(self.where(i)).to_dict()}
+            if isinstance(o, ArbiterError)
+            else o.model_dump()
+            for i, (d, o) in enumerate(zip(self.decisions, outcomes, strict=True))
+        ]
+        return jsonio.dumps({"results": results, "timing": timing})
+
+
+async def _decide(
+    request: web.Request, state: State, raw: dict[str, Any], single: bool
+) -> web.Response:
+    """``decision`` or ``decisions``: screened before admission, scored in one engine call under
+    one slot, each outcome counted once. If every item fails, the request fails with the first
+    item's error (its field named); otherwise every item has its result or its error."""
     arrived = time.perf_counter()
-    decisions = await asyncio.to_thread(
-        validate_many, raw["decisions"], state.settings.max_decisions
-    )
+    items = await asyncio.to_thread(Decisions, raw, single, state.settings.max_decisions)
+    decisions = items.decisions
     engine = state.holder.require()
     request[REQUEST_LOG].decisions = len(decisions)
     refused = budgets.screen(state.settings, engine, decisions)  # before it takes a slot
     if refused[0] is not None and all(error is not None for error in refused):
-        raise refused[0].with_param_prefix("decisions.0")
+        raise refused[0].with_param_prefix(items.where(0))
 
     def work(slot: Slot) -> tuple[list[Outcome], float]:
         started = time.perf_counter()
@@ -168,16 +178,10 @@ async def _many(request: web.Request, state: State, raw: dict[str, Any]) -> web.
     failed = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, ArbiterError)]
     if len(failed) == len(outcomes):
         index, first = failed[0]
-        raise first.with_param_prefix(f"decisions.{index}")
+        raise first.with_param_prefix(items.where(index))
     request[REQUEST_LOG].tokens = sum(
         o.prompt.input_tokens for o in outcomes if not isinstance(o, ArbiterError)
     )
-    results = [
-        {"id": d.id, "error": o.with_param_prefix(f"decisions.{i}").to_dict()}
-        if isinstance(o, ArbiterError)
-        else o.model_dump()
-        for i, (d, o) in enumerate(zip(decisions, outcomes, strict=True))
-    ]
     timing = {
         "decisions": len(decisions),
         "failed": len(failed),
@@ -185,5 +189,5 @@ async def _many(request: web.Request, state: State, raw: dict[str, Any]) -> web.
         "engine_s": engine_s,
         "total_s": time.perf_counter() - arrived,
     }
-    body = await asyncio.to_thread(jsonio.dumps, {"results": results, "timing": timing})
+    body = await asyncio.to_thread(items.body, outcomes, timing)
     return web.Response(body=body, content_type="application/json")

@@ -13,31 +13,30 @@ from __future__ import annotations
 from aiohttp import web
 
 from adapter.admission import Admission
-from adapter.bodies import iter_lines
+from adapter.bodies import body_pieces
 from adapter.budgets import Cancellable
 from adapter.metrics import Metrics
 from adapter.state import REQUEST_LOG, RequestLog, State
 from adapter.streaming import OPEN_STREAM, OpenStream
-from arbiter import jsonio
 from arbiter.engine import Budget, Engine
 from arbiter.errors import ArbiterError, EngineFailure, PayloadTooLarge, RequestTimeout, ServerBusy
-from arbiter.lines import score_lines
+from arbiter.lines import LineReader, Numbered, encode_record, score_lines
 from arbiter.logging import get_logger
 from arbiter.scorer import Scorer
 from arbiter.settings import MB, ServerSettings
 
-Batch = list[tuple[int, bytes | ArbiterError]]
+Batch = list[Numbered]
 log = get_logger("arbiter.http")
 
 
 def error_record(number: int, error: ArbiterError) -> bytes:
-    return jsonio.dumps({"line": number, "id": None, "error": error.to_dict()}) + b"\n"
+    return encode_record(number, None, error)[0]
 
 
 def score_chunk(engine: Scorer, metrics: Metrics, batch: Batch) -> tuple[bytes, int, int]:
     """Score and serialize one chunk of lines: one output line per input line, whatever happens."""
     try:
-        records = score_lines(engine, list(batch), metrics.observe_decision)
+        written = score_lines(engine, list(batch), metrics.observe_decision)
     except Exception as exc:  # a fault outside any one decision: every line of the chunk says so
         if isinstance(exc, ArbiterError):
             failure = exc
@@ -46,10 +45,9 @@ def score_chunk(engine: Scorer, metrics: Metrics, batch: Batch) -> tuple[bytes, 
             failure = EngineFailure(
                 f"this chunk could not be scored ({type(exc).__name__}); see the server log"
             )
-        records = [{"line": n, "id": None, "error": failure.to_dict()} for n, _ in batch]
-    tokens = sum(r["result"]["prompt"]["input_tokens"] for r in records if "result" in r)
-    body = b"".join(jsonio.dumps(r) + b"\n" for r in records)
-    return body, len(records), tokens
+        written = [encode_record(n, None, failure) for n, _ in batch]
+    tokens = sum(o.prompt.input_tokens for _, o in written if not isinstance(o, ArbiterError))
+    return b"".join(data for data, _ in written), len(written), tokens
 
 
 async def respond(request: web.Request, state: State) -> web.StreamResponse:
@@ -80,9 +78,14 @@ class LinesResponse:
         self.metrics = metrics
         self.settings = settings
         self.info = info  # the request log: decisions and tokens are added up here
-        self.number = 0  # the last line number read
+        max_line = int(settings.max_body_mb * MB)
+        self.reader = LineReader(
+            max_line,
+            lambda: PayloadTooLarge(f"the line is over {max_line / MB:g} MB (ARBITER_MAX_BODY_MB)"),
+        )
         self.response = web.StreamResponse(headers={"Content-Type": "application/jsonlines"})
-        self.stream = OpenStream(self.response, lambda e: error_record(self.number + 1, e))
+        # A stop is the record of the line after the last one read.
+        self.stream = OpenStream(self.response, lambda e: error_record(self.reader.number + 1, e))
         request[OPEN_STREAM] = self.stream
 
     async def run(self) -> web.StreamResponse:
@@ -91,14 +94,11 @@ class LinesResponse:
         batch: Batch = []
         size = 0
         try:
-            lines = iter_lines(
-                self.request.content, max_line, int(s.max_jsonl_mb * MB), s.body_read_timeout_s
+            body = body_pieces(
+                self.request.content, int(s.max_jsonl_mb * MB), s.body_read_timeout_s
             )
-            async for line in lines:
-                self.number += 1
-                if isinstance(line, bytes) and not line.strip():
-                    continue  # blank lines carry no record (as in `arbiter decide`)
-                batch.append((self.number, line))
+            async for number, line in self.reader.alines(body):
+                batch.append((number, line))
                 size += len(line) if isinstance(line, bytes) else 0
                 if len(batch) >= s.jsonl_chunk or size >= max_line:
                     await self._flush(batch)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from arbiter.errors import ArbiterError
 from arbiter.lines import Line, chunk_size, numbered_lines, score_lines
 
 if TYPE_CHECKING:
@@ -32,9 +32,9 @@ def cmd_decide(args: argparse.Namespace, out: TextIO | None = None) -> int:
     with tqdm(total=len(lines), unit="decision", file=sys.stderr, disable=args.quiet) as bar:
         for start in range(0, len(lines), args.chunk):
             chunk: list[tuple[int, Line]] = list(lines[start : start + args.chunk])
-            for record in score_lines(engine, chunk):
-                failures += "error" in record
-                out.write(json.dumps(record) + "\n")
+            for data, outcome in score_lines(engine, chunk):
+                failures += isinstance(outcome, ArbiterError)
+                out.write(data.decode("utf-8"))
             bar.update(len(chunk))
     engine.close()
     return 1 if failures and failures == len(lines) else 0

@@ -40,11 +40,12 @@ def loads(data: bytes | str, what: str = "the body") -> Any:
 _LINE_BREAKS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def dumps(value: Any) -> bytes:
+def dumps(value: Any, *, strict: bool = False) -> bytes:
     """Compact UTF-8 JSON on one line; strings that UTF-8 cannot hold (lone surrogates) are
-    written as ``\\uXXXX`` escapes."""
+    written as ``\\uXXXX`` escapes. ``strict``: a NaN or infinity raises ``ValueError`` rather
+    than being written as a constant no JSON parser but Python's reads."""
     try:
-        text = json.dumps(value, ensure_ascii=False)
+        text = json.dumps(value, ensure_ascii=False, allow_nan=not strict)
         return text.translate(_LINE_BREAKS).encode("utf-8")
     except UnicodeEncodeError:
-        return json.dumps(value).encode("ascii")
+        return json.dumps(value, allow_nan=not strict).encode("ascii")

@@ -9,27 +9,26 @@ bad JSON, nesting too deep for the parser, an integer too long to convert, a sch
 broken stream ends the input early, with one error item: corrupt or truncated gzip, or a ``.json``
 document whose structure breaks (a missing comma, an unterminated element).
 
+Lines are split, parsed and given their records by :mod:`arbiter.lines`, as `arbiter decide` and
+the HTTP JSON Lines path read theirs, so a file gives the same records whichever way it comes in.
+
 The readers are async iterators of bounded items; :func:`raw_items_for` gives them undecoded, which is
 what a large job is split into shards by (:mod:`worker.fanout.split`).
 """
 
 from __future__ import annotations
 
-import codecs
 import json
 import re
 import zlib
 from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
 
-from arbiter.errors import ArbiterError, MalformedRequest, PayloadTooLarge
-from arbiter.lines import validate_decision
-from arbiter.schema import DecisionRequest
+from arbiter.errors import MalformedRequest, PayloadTooLarge
+from arbiter.lines import BOM, Item, LineReader, Numbered, parse_line
 
 PIECE = 1 << 20  # bytes read from S3, or inflated from gzip, at a time
 DEFAULT_MAX_ITEM = 6 << 20  # as the adapter's largest JSON body
 
-_BLANKS = re.compile(rb"[ \t\r\n\x0b\x0c]+")
 _WS = re.compile(rb"[ \t\r\n]*")
 _PLAIN = re.compile(rb'[^"\[\]{}]*')  # inside a container, up to the next structural byte
 _STRING = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)  # a string body, escapes included
@@ -38,16 +37,6 @@ _CLOSES = re.compile(rb"[\]}]+")
 _SCALAR = re.compile(rb"[^,\]}\s]*")
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
 _OPENERS = b"[{"
-
-
-class Item(NamedTuple):
-    """One line (or element) of a job: its 1-based number, what it holds, its raw ``id`` (kept
-    for an error record), and its size in bytes (for bounding a chunk)."""
-
-    line: int
-    value: DecisionRequest | ArbiterError
-    raw_id: Any = None
-    size: int = 0
 
 
 class CorruptInput(Exception):
@@ -88,7 +77,8 @@ async def gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 
 async def _without_bom(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Drop a UTF-8 byte order mark at the very start (editors on Windows write one)."""
+    """Drop a UTF-8 byte order mark at the very start of a ``.json`` document (a JSON Lines
+    input's is dropped by its :class:`~arbiter.lines.LineReader`)."""
     head = b""
     started = False
     async for chunk in chunks:
@@ -96,10 +86,10 @@ async def _without_bom(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             yield chunk
             continue
         head += chunk
-        if len(head) < len(codecs.BOM_UTF8) and codecs.BOM_UTF8.startswith(head):
+        if len(head) < len(BOM) and BOM.startswith(head):
             continue  # too short to tell yet
         started = True
-        if rest := head.removeprefix(codecs.BOM_UTF8):
+        if rest := head.removeprefix(BOM):
             yield rest
     if not started and head:
         yield head
@@ -113,92 +103,27 @@ def _corrupt(exc: CorruptInput) -> MalformedRequest:
     return MalformedRequest(f"{exc}; nothing after this point was read", code="invalid_gzip")
 
 
-# -- one line or element ---------------------------------------------------------------------------
-
-
-def decode_item(line: int, data: bytes, what: str = "line") -> Item:
-    """The decision in one line's bytes, or the error that explains why there is none."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return Item(
-            line, MalformedRequest(f"the {what} is not valid UTF-8: {exc}"), None, len(data)
-        )
-    try:
-        raw = json.loads(text)
-    except RecursionError:
-        error = MalformedRequest(f"the {what} is nested too deeply to read")
-        return Item(line, error, None, len(data))
-    except ValueError as exc:  # JSONDecodeError, or an integer too long to convert
-        return Item(line, MalformedRequest(f"the {what} is not valid JSON: {exc}"), None, len(data))
-    raw_id = raw.get("id") if isinstance(raw, dict) else None
-    return Item(line, validate(raw), raw_id, len(data))
-
-
-def validate(raw: Any) -> DecisionRequest | ArbiterError:
-    """A parsed JSON value as a decision, or the typed error naming the offending field."""
-    try:
-        return validate_decision(raw)
-    except ArbiterError as exc:
-        return exc
-
-
 # -- JSON Lines ------------------------------------------------------------------------------------
 
 
 async def lines(
     chunks: AsyncIterator[bytes], max_line: int = DEFAULT_MAX_ITEM
-) -> AsyncIterator[tuple[int, bytes | ArbiterError]]:
-    """Non-blank physical lines numbered from 1, without their line break; a line over
-    ``max_line`` bytes is skipped unread and given as :class:`PayloadTooLarge`."""
-    number = 0  # lines completed
-    buf = bytearray()  # the start of the current line
-    skipping = False  # the current line is over the limit: its bytes are dropped
+) -> AsyncIterator[Numbered]:
+    """Non-blank lines numbered from 1 (:class:`~arbiter.lines.LineReader`, as every way in reads
+    them); a line over ``max_line`` bytes is skipped unread and given as :class:`PayloadTooLarge`;
+    a broken gzip stream ends the input with one ``invalid_gzip`` line."""
+    reader = LineReader(max_line, lambda: _too_large("line", max_line))
     try:
-        async for piece in chunks:
-            start, end = 0, len(piece)
-            while start < end:
-                if not buf and not skipping and (blank := _BLANKS.match(piece, start)):
-                    number += piece.count(b"\n", start, blank.end())
-                    start = blank.end()
-                    continue
-                newline = piece.find(b"\n", start)
-                if newline < 0:
-                    break
-                number += 1
-                if skipping or len(buf) + newline - start > max_line:
-                    yield number, _too_large("line", max_line)
-                else:
-                    buf += piece[start:newline]
-                    if buf.strip():
-                        yield number, bytes(buf)
-                buf.clear()
-                skipping = False
-                start = newline + 1
-            if start < end and not skipping:
-                if len(buf) + end - start > max_line:
-                    buf.clear()
-                    skipping = True
-                else:
-                    buf += piece[start:end]
+        async for line in reader.alines(chunks):
+            yield line
     except CorruptInput as exc:
-        yield number + 1, _corrupt(exc)
-        return
-    if skipping:
-        yield number + 1, _too_large("line", max_line)
-    elif buf.strip():
-        yield number + 1, bytes(buf)
+        yield reader.number + 1, _corrupt(exc)
 
 
-async def decode_items(
-    raw: AsyncIterator[tuple[int, bytes | ArbiterError]], what: str = "line"
-) -> AsyncIterator[Item]:
-    """Numbered raw lines (or elements) -> items: each decoded, or kept as the error it already is."""
+async def decode_items(raw: AsyncIterator[Numbered], what: str = "line") -> AsyncIterator[Item]:
+    """Numbered raw lines (or elements) -> items: each parsed, or kept as the error it already is."""
     async for number, data in raw:
-        if isinstance(data, ArbiterError):
-            yield Item(number, data)
-        else:
-            yield decode_item(number, data, what)
+        yield parse_line(number, data, what)
 
 
 def jsonl_items(
@@ -352,7 +277,7 @@ def json_items(
 
 async def json_elements(
     chunks: AsyncIterator[bytes], max_item: int = DEFAULT_MAX_ITEM
-) -> AsyncIterator[tuple[int, bytes | ArbiterError]]:
+) -> AsyncIterator[Numbered]:
     """The elements of ``"decisions"`` as raw bytes, numbered from 1, undecoded (see
     :func:`json_items`): an element over ``max_item`` or a break in the document is an error."""
     doc = _Document(chunks, max_item)
@@ -395,9 +320,7 @@ def _key(data: bytes | None) -> str:
     return key
 
 
-async def _elements(
-    doc: _Document, emitted: int
-) -> AsyncIterator[tuple[int, bytes | ArbiterError]]:
+async def _elements(doc: _Document, emitted: int) -> AsyncIterator[Numbered]:
     await doc.expect(b"[", 'after "decisions":')
     if await doc.peek() == ord("]"):
         doc.pos += 1
@@ -418,14 +341,13 @@ def item_kind(key: str) -> str:
 
 def raw_items_for(
     key: str, chunks: AsyncIterator[bytes], max_item_bytes: int = DEFAULT_MAX_ITEM
-) -> AsyncIterator[tuple[int, bytes | ArbiterError]]:
+) -> AsyncIterator[Numbered]:
     """The numbered, undecoded lines (or elements) of a job object, by its key's suffix
     (``.jsonl``/``.json``, optionally ``.gz``): what a job is split into shards by."""
     if key.endswith(".gz"):
         chunks = gunzip(chunks)
-    chunks = _without_bom(chunks)
     if item_kind(key) == "element":
-        return json_elements(chunks, max_item_bytes)
+        return json_elements(_without_bom(chunks), max_item_bytes)
     return lines(chunks, max_item_bytes)
 
 

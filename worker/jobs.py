@@ -35,12 +35,13 @@ from typing import IO, Any
 from botocore.exceptions import ClientError
 
 from arbiter.errors import ArbiterError, EngineFailure
+from arbiter.lines import Item, encode_record
 from arbiter.schema import DecisionRequest, DecisionResult
 from arbiter.scorer import Scorer
 from arbiter.settings import MB as MiB
 from worker.events import JobRef, Ref, normalize_etag
 from worker.faults import Fault
-from worker.formats import PIECE, Item, items_for
+from worker.formats import PIECE, items_for
 from worker.outputs import OutputKeys, output_keys
 from worker.progress import Progress
 from worker.s3io import (
@@ -160,31 +161,6 @@ async def _score_isolated(
     return outcomes
 
 
-def _record(number: int, raw_id: Any, outcome: DecisionResult | ArbiterError) -> bytes:
-    if isinstance(outcome, ArbiterError):
-        record = {"line": number, "id": raw_id, "error": outcome.to_dict()}
-    else:
-        record = {"line": number, "id": outcome.id, "result": outcome.model_dump(mode="json")}
-    return json.dumps(record, allow_nan=False).encode() + b"\n"
-
-
-def _writable(
-    number: int, raw_id: Any, outcome: DecisionResult | ArbiterError
-) -> tuple[bytes, DecisionResult | ArbiterError]:
-    """The record's line, always strict JSON: a result that cannot be written (NaN, say) becomes an
-    ``engine_failure``; an id that cannot (``NaN`` in the input) is left out."""
-    try:
-        return _record(number, raw_id, outcome), outcome
-    except (ValueError, TypeError, RecursionError) as exc:
-        if not isinstance(outcome, ArbiterError):
-            raw_id = outcome.id
-            outcome = EngineFailure(f"the engine's result cannot be written as JSON: {exc}")
-    try:
-        return _record(number, raw_id, outcome), outcome
-    except (ValueError, TypeError, RecursionError):
-        return _record(number, None, outcome), outcome
-
-
 async def _score_chunk(
     engine: Scorer,
     chunk: list[Item],
@@ -205,11 +181,8 @@ async def _score_chunk(
         raise JobFailed(f"the engine failed on every decision so far ({tally.engine_raised})")
     failed = 0
     for item in chunk:
-        raw_id = item.raw_id
-        outcome: DecisionResult | ArbiterError = item.value  # type: ignore[assignment]
-        if isinstance(item.value, DecisionRequest):
-            outcome, raw_id = next(outcomes), item.value.id
-        line, outcome = _writable(item.line, raw_id, outcome)
+        outcome = next(outcomes) if isinstance(item.value, DecisionRequest) else item.value
+        line, outcome = encode_record(item.line, item.id, outcome)
         out.write(line)
         tally.lines += 1
         if isinstance(outcome, ArbiterError):

@@ -75,6 +75,53 @@ async def test_single_and_many_shapes(make: Any) -> None:
     assert (await error_of(failed, 422))["param"] == "decision.options"
 
 
+def _decision_counts(text: str) -> dict[str, str]:
+    """``arbiter_decisions_total`` by outcome, from a /metrics page."""
+    prefix = "arbiter_decisions_total{"
+    return dict(line.split(" ", 1) for line in text.splitlines() if line.startswith(prefix))
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (decision_body("a"), None),
+        (decision_body("b", options=5), "options"),  # the engine's error
+        ({**decision_body("c"), "options": []}, "options"),  # the schema's
+        (decision_body("d", state="x" * 20_000), "state"),  # refused before admission
+        (5, ""),  # not an object
+    ],
+    ids=["result", "engine-error", "schema-error", "refused-before-admission", "not-an-object"],
+)
+async def test_a_decision_is_the_one_item_case_of_decisions(
+    make: Any, body: Any, field: str | None
+) -> None:
+    """Same status, same result or error (its field under ``decision`` or ``decisions.0``), the
+    same decisions counted: one path validates, admits, counts and answers both."""
+    answers = []
+    for key in ("decision", "decisions"):
+        client = await make()
+        response = await client.post(
+            "/invocations", json={key: body if key == "decision" else [body]}
+        )
+        payload = await response.json()
+        metrics = _decision_counts(await (await client.get("/metrics")).text())
+        answers.append((response.status, payload, metrics))
+    (status, single, counted), (many_status, many, many_counted) = answers
+    assert status == many_status and counted == many_counted
+    if field is None:
+        assert status == 200
+        assert single["result"] == many["results"][0]
+        assert many["timing"]["decisions"] == 1 and many["timing"]["failed"] == 0
+    else:
+        error, many_error = single["error"], many["error"]
+        assert error["param"] == "decision" + (f".{field}" if field else "")
+        assert many_error["param"] == "decisions.0" + (f".{field}" if field else "")
+        assert error["code"] == many_error["code"]
+        # The message names the field where the schema names it, and says the same otherwise.
+        named = error["message"].replace("decision", "decisions.0", 1)
+        assert many_error["message"] in (error["message"], named)
+
+
 async def test_error_statuses_and_bodies(make: Any) -> None:
     client = await make(max_body_mb=0.01)
     bad = await client.post(

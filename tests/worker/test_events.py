@@ -187,7 +187,7 @@ async def _pieces(data: bytes, size: int) -> AsyncIterator[bytes]:
 
 async def _collect(key: str, data: bytes, size: int) -> list[tuple[int, object, object]]:
     return [
-        (item.line, item.value, item.raw_id) async for item in items_for(key, _pieces(data, size))
+        (item.line, item.value, item.id) async for item in items_for(key, _pieces(data, size))
     ]
 
 

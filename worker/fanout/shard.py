@@ -13,7 +13,6 @@ that cannot even be read, or whose last try did not finish, is.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -29,13 +28,14 @@ import structlog
 from botocore.exceptions import ClientError
 
 from arbiter.errors import EngineFailure
+from arbiter.lines import Item, encode_record
 from arbiter.schema import DecisionRequest
 from arbiter.scorer import Scorer
 from worker.fanout.frames import DamagedShard, unframe
 from worker.fanout.keys import JobFolder
 from worker.fanout.outcome import Outcome
 from worker.fanout.plan import Manifest, ShardSpan
-from worker.formats import Item, decode_items
+from worker.formats import decode_items
 from worker.jobs import JobRejected, Runner, raw_chunks, write_records
 from worker.s3io import gone, upload_spool
 from worker.settings import WorkerSettings
@@ -72,14 +72,6 @@ class _Runs:
     @property
     def last(self) -> str | None:
         return None if self._last is None else _state_hash(self._last)
-
-
-def _error_record(number: int, raw_id: Any, error: EngineFailure) -> bytes:
-    for candidate in (raw_id, None):
-        with contextlib.suppress(ValueError, TypeError, RecursionError):
-            record = {"line": number, "id": candidate, "error": error.to_dict()}
-            return json.dumps(record, allow_nan=False).encode() + b"\n"
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _worker() -> dict[str, Any]:
@@ -213,9 +205,7 @@ class ShardWork:
             written = 0
             async with got["Body"] as body:
                 async for item in decode_items(unframe(raw_chunks(body)), manifest.kind):
-                    value = item.value
-                    raw_id = value.id if isinstance(value, DecisionRequest) else item.raw_id
-                    spool.write(_error_record(item.line, raw_id, error))
+                    spool.write(encode_record(item.line, item.id, error)[0])
                     written += 1
             if written == span.items:
                 return
@@ -224,4 +214,4 @@ class ShardWork:
         spool.seek(0)
         spool.truncate()
         for number in span.numbers():
-            spool.write(_error_record(number, None, error))
+            spool.write(encode_record(number, None, error)[0])
