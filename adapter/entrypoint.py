@@ -173,7 +173,6 @@ def preflight(
                 settings.model_data_url, engine.model_dir, s3_client, settings.aws_endpoint_url
             )
         resolved = resolve_model(engine.model, engine.model_dir)
-        require_weights(resolved.path)
         sha256 = verify(resolved) if settings.preflight_sha256 else None
         # The prompt profile, and a profile's own labels against the model's vocabulary (no
         # weights loaded; the built-in's letters are checked by the engine's load as before).
@@ -182,6 +181,9 @@ def preflight(
             check_prompts(resolved.path, engine, profile)  # its labels, and the template
         else:
             check_template(resolved.path, engine, profile)  # from the header: milliseconds
+        # After the template: a vocabulary is all the checks above read, and a template that
+        # cannot render a decision is the more specific refusal.
+        require_weights(resolved.path)
         adapters = resolve_adapters(engine.lora, resolved, engine.model_dir)
     except ModelLoadError as exc:
         raise Refused(exc.message) from exc

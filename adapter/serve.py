@@ -35,8 +35,10 @@ def serve(host: str | None = None, port: int | None = None, model: Path | None =
     server_settings = server_settings.model_copy(update=updates)
     if model is not None:
         engine_settings = engine_settings.model_copy(update={"model": model})
+    # The chat template first: it needs only a vocabulary, and is the more specific refusal
+    # when a file is wrong twice (a vocabulary-only GGUF with a template that cannot render).
+    check_before_listening(engine_settings)
     check_files(engine_settings)
-    check_before_listening(engine_settings)  # the chat template renders a decision
     from arbiter.ports import bind
 
     # The port next: a busy one is refused in one line before the model starts loading.
