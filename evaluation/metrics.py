@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 N_BINS = 10
+EDGE_TOLERANCE = 1e-9
 
 
 def accuracy(correct: Sequence[bool]) -> float | None:
@@ -44,7 +45,9 @@ def reliability_bins(
     """Per equal-width bin of the top probability: count, mean confidence, accuracy."""
     conf = np.asarray(confidences, dtype=np.float64)
     hit = np.asarray(correct, dtype=np.float64)
-    index = np.minimum((conf * n_bins).astype(int), n_bins - 1)
+    # A hair's tolerance below each edge: probabilities clipped to 1/n (0.5 for yes/no) come out
+    # a few ulps either side of the edge, and which side depended on the numpy build.
+    index = np.minimum(np.floor(conf * n_bins + EDGE_TOLERANCE).astype(int), n_bins - 1)
     bins = []
     for b in range(n_bins):
         mask = index == b

@@ -74,3 +74,11 @@ def test_reliability_diagram_is_a_png(tmp_path: Path) -> None:
         "test",
     )
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_probability_a_few_ulps_under_an_edge_is_binned_with_the_edge() -> None:
+    # Yes/no probabilities clipped to 1/2 come out as 0.49999999999999994 or 0.5 depending on the
+    # numpy build; ECE must not (the shipped calibrations' figures moved with numpy 2.4).
+    under = m.reliability_bins([0.49999999999999994, 0.5, 0.5000000000000001], [1, 0, 1])
+    assert [b["count"] for b in under][5] == 3
+    assert m.ece([0.49999999999999994], [True]) == m.ece([0.5], [True])
