@@ -37,13 +37,13 @@ def _settings(**fields: object) -> EngineSettings:
 
 
 def _run(settings: EngineSettings) -> ReadCheck:
-    """Load the engine (its own read check runs at load and raises ``ReadCheckRefused`` in mode
-    refuse), then free it."""
+    """Load the engine and run its read check (``ReadCheckRefused`` in mode refuse), then free
+    it."""
     from arbiter.engine import Engine
 
     engine = Engine(settings)
     try:
-        return engine.read_check
+        return engine.check_reads()
     finally:
         engine.close()
 

@@ -673,9 +673,12 @@ MUTATIONS = (
     Mutation(
         "serve-checks-before-listening",
         "adapter/serve.py",
-        "    check_before_listening(engine_settings)  # the chat template renders a decision\n",
-        "",
-        (REFUSALS + "test_serve_refuses_before_it_listens",),
+        "    files = check_before_listening(engine_settings)  # what the engine will load, checked\n",
+        "    files = None  # found by the engine as it loads\n",
+        (
+            REFUSALS + "test_serve_refuses_before_it_listens",
+            "tests/test_refusals.py::test_a_refusal_is_one_line_and_status_2[serve, missing adapter]",
+        ),
     ),
     Mutation(
         "entrypoint-checks-the-template",
@@ -987,15 +990,6 @@ MUTATIONS = (
         "    except ArithmeticError as exc:\n        line = refusal(exc)",
         (
             "tests/test_refusals.py::test_a_refusal_is_one_line_and_status_2[submit, no credentials]",
-        ),
-    ),
-    Mutation(
-        "serve-checks-files-first",
-        "adapter/serve.py",
-        "    check_files(engine_settings)\n",
-        "",
-        (
-            "tests/test_refusals.py::test_a_refusal_is_one_line_and_status_2[serve, missing adapter]",
         ),
     ),
     Mutation(
@@ -1558,8 +1552,8 @@ MUTATIONS = (
     Mutation(
         "serve-says-its-load-steps",
         "adapter/serve.py",
-        "Engine(engine_settings, progress=progress)",
-        "Engine(engine_settings)",
+        "open_engine(engine_settings, files=files, progress=progress)",
+        "open_engine(engine_settings, files=files)",
         (
             "tests/emulator/test_local.py::"
             "test_two_stacks_side_by_side_each_answer_with_their_own_model",
