@@ -45,6 +45,25 @@ def test_decide_writes_one_line_per_input_line(tmp_path: Path) -> None:
     )
 
 
+def test_decide_refuses_a_missing_input_in_one_line_before_any_model_loads(
+    tmp_path: Path,
+) -> None:
+    """A mistyped file name costs no model load: the input is opened first. The model named here
+    is a file llama.cpp cannot load, so a command that loaded first would refuse the model."""
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model\n" * 64)
+    missing = tmp_path / "missing.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "arbiter", "decide", str(missing), "--model", str(junk), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [f"arbiter decide: {missing}: No such file or directory"]
+    assert proc.stdout == ""
+
+
 def _loaded_after(code: str) -> set[str]:
     """Top-level packages of this project that a fresh interpreter has imported after ``code``."""
     probe = f"import sys\n{code}\nprint(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
