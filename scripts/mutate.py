@@ -157,7 +157,7 @@ MUTATIONS = (
     ),
     Mutation(
         "cancel-between-decodes",
-        "arbiter/engine/llama.py",
+        "arbiter/engine/decoding.py",
         "            if self._interrupt is not None:\n                self._interrupt()\n",
         "",
         (
@@ -258,7 +258,7 @@ MUTATIONS = (
     ),
     Mutation(
         "prefix-copied-once",
-        "arbiter/engine/llama.py",
+        "arbiter/engine/kv_memory.py",
         "            del state[written:]\n        return state\n",
         "            del state[written:]\n        return bytearray(bytes(state))\n",
         (BUDGET + "test_a_saved_prefix_state_is_copied_once",),

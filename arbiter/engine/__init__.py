@@ -10,8 +10,9 @@ the load and the read check. The work is done by one module per concern:
 - ``model_files``: the files an engine loads, found and checked without llama.cpp;
   ``loaded``: the model loaded (its lifetime, its prompts and tokens, the lock that serializes
   every use of the context); ``read_check``: what the load is checked with before serving;
-- ``llama``: the model and its context through the C API (load, decode, KV cache, save and
-  restore), ``vocabulary``: its tokens (tokenize, token pieces);
+- ``llama``: the model and its context through the C API (load, adapters, metadata), with
+  ``decoding`` (decode, logits where read) and ``kv_memory`` (KV cache, save and restore) as its
+  parts; ``vocabulary``: its tokens (tokenize, token pieces);
 - ``preparing``: decisions checked (from bytes first, ``cost``) and tokenized, grouped by state;
 - ``scoring``: the shared prefix, branches, readout, results; ``budget``: what a request may
   spend, and the cancellation of work nobody waits for;
