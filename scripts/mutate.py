@@ -526,7 +526,7 @@ MUTATIONS = (
     # Issue 29, Batch Transform: bounded memory, the job's timeout, manifests, DataProcessing.
     Mutation(
         "transform-split-none-streamed",
-        "emulator/objects.py",
+        "emulator/transform_client.py",
         "self.url, data=body, headers=headers, timeout=self.timeout",
         'self.url, data=b"".join([c async for c in body]), headers=headers, timeout=self.timeout',
         (STREAMING + "test_split_none_payload_0_streams_a_large_object_in_bounded_memory",),
