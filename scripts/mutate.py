@@ -437,7 +437,7 @@ MUTATIONS = (
         "async-unwritten-answer-fails-visibly",
         "emulator/async_answer.py",
         "            if status < 400:\n                return await self.failed(",
-        '            if status < 400:\n                return Outcome("Failed", None) or await self.failed(',
+        '            if status < 400:\n                return InferenceResult("Failed", None) or await self.failed(',
         (
             "tests/emulator/test_async_durable.py::"
             "test_an_answer_that_cannot_be_written_becomes_a_failure_object",

@@ -44,7 +44,7 @@ from typing import Any
 import structlog
 
 from worker.fanout.keys import JobFolder
-from worker.fanout.outcome import Outcome, finished
+from worker.fanout.outcome import ShardOutcome, finished
 from worker.fanout.plan import Manifest
 from worker.faults import Busy
 from worker.outputs import OutputKeys
@@ -263,7 +263,7 @@ async def update(
 
 
 async def count(
-    s3: Any, bucket: str, key: str, folder: JobFolder, manifest: Manifest, outcome: Outcome
+    s3: Any, bucket: str, key: str, folder: JobFolder, manifest: Manifest, outcome: ShardOutcome
 ) -> bool | None:
     """Count a shard's outcome (see the module doc); whether this count is to send the merge
     message. None when its stripe is gone (the job's folder went: the caller lists instead)."""
