@@ -27,8 +27,8 @@ log = get_logger("arbiter.lines")
 def numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
     """A JSON Lines file's non-blank lines with their 1-based numbers, as bytes split at ``\n``
     (as a job's or an HTTP body's lines are read): a line that is not UTF-8 is decoded where it is
-    parsed and becomes its own ``invalid_json`` record, where reading the file as text stopped the
-    whole command at that line with a traceback (issue 35)."""
+    parsed and becomes its own ``invalid_json`` record, never a traceback that stops the whole
+    command at that line (as reading the file as text would)."""
     with path.open("rb") as handle:
         for number, line in enumerate(handle, start=1):
             if line.strip():
@@ -56,7 +56,7 @@ def validation_error(exc: ValidationError, prefix: str | None = None) -> Invalid
     """The pydantic error as a typed error naming its field (``options.2.id``): the first one,
     or, where a union tried its members, the deepest (the member the input has the shape of: a
     list of content parts says which part, not that it is not a string), with the members'
-    tags left out of the field's name (issue 35)."""
+    tags left out of the field's name."""
     errors = exc.errors()
     first = max(errors, key=lambda error: len(error["loc"]))
     if not any(isinstance(part, str) and _UNION_TAG.match(part) for part in first["loc"]):

@@ -1,9 +1,9 @@
 """A listening port taken before anything slow starts, or refused in one line.
 
-`arbiter serve` used to load its model (25 s for the 1.5B) and then die on a busy port with a
-25-line traceback; the pool's metrics port and the runtime API did the same. Each now binds its
-socket first and serves on it (aiohttp's ``SockSite``), so a busy port is one line, status 2,
-naming the variable that moves it, before a model loads or a queue is touched.
+`arbiter serve`, the pool's metrics port and the runtime API each bind their socket first and
+serve on it (aiohttp's ``SockSite``), so a busy port is one line, status 2, naming the variable
+that moves it, before a model loads (25 s for the 1.5B) or a queue is touched, not a traceback
+after.
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ class Answering:
         except Exception as exc:
             raise _InputError(f"could not read the input at {source} ({exc})") from exc
         size, most = int(got.get("ContentLength") or 0), limits.MAX_ASYNC_INPUT_BYTES
-        if size > most:  # documented, and now enforced: before, 1.1 GB was answered
+        if size > most:  # the documented limit: a larger input is refused, not answered
             got["Body"].close()
             raise _InputError(
                 f"the input at {source} is {size:,} bytes, over Asynchronous Inference's "

@@ -124,7 +124,7 @@ class Stages:
         env["PYTHONPATH"] = os.pathsep.join(map(str, (p.site, p.llama, p.gguf_py, plan.ROOT)))
         env["ARBITER_N_GPU_LAYERS"] = str(gpu_layers)
         # The model is generated with random weights, which put no mass on the option labels: the
-        # read check at load (issue 28) refuses it, and the bench and agreement legs with it.
+        # read check at load refuses it, and the bench and agreement legs with it.
         env["ARBITER_READ_CHECK"] = "off"
         env["PYTHONUNBUFFERED"] = "1"
         if hide_gpu:

@@ -1,7 +1,7 @@
 """`make mutate`: undo each named fix, run the tests that guard it, expect them to fail, restore.
 
-A test that passes with its fix removed guards nothing (issue 22 found three: JSON Lines' in-band
-path, an SSE test that only hung, a surrogate test that needed both layers gone). Each mutation
+A test that passes with its fix removed guards nothing (an SSE test that only hangs, a surrogate
+test that fails only with both of its layers gone). Each mutation
 below names the fix as the exact text it adds, the text the code would read without it, and the
 tests that must then fail. Mutations run in copies of the tree (two at once by default), so the
 checkout itself is never written.
@@ -1502,7 +1502,7 @@ MUTATIONS = (
     Mutation(
         "async-input-limit-enforced",
         "emulator/async_answer.py",
-        "        if size > most:  # documented, and now enforced: before, 1.1 GB was answered",
+        "        if size > most:  # the documented limit: a larger input is refused, not answered",
         "        if False:",
         (
             "tests/emulator/test_async.py::"

@@ -4,9 +4,9 @@
 ``failed``), shards done and failed of the total, lines done and failed of the total, when the job
 started, when the object was last updated, and an ETA.
 
-**Striped counting** (issue 27). One status object counted by every shard (a GET and an
-``If-Match`` PUT of one key, serial whatever the fleet) was the fleet's limit: 2.5 shards/s at 32
-workers and 50 ms, against 70 for the outcome alone. Now shard ``i`` is counted in stripe ``i mod
+**Striped counting.** One status object counted by every shard (a GET and an ``If-Match`` PUT
+of one key, serial whatever the fleet) would be the fleet's limit: 2.5 shards/s at 32 workers and
+50 ms, against 70 for the outcome alone. So shard ``i`` is counted in stripe ``i mod
 K`` (``K = min(shards, STRIPES)``, :data:`worker.fanout.plan.STRIPES`, fixed in the manifest), a
 small object in the job's folder (:meth:`~worker.fanout.keys.JobFolder.stripe`) holding a bitmap
 of its shards and their sums, by compare-and-swap: a redelivered shard counts once, and one count
