@@ -8,7 +8,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from structlog.typing import FilteringBoundLogger
 
@@ -16,13 +16,16 @@ from arbiter.errors import ArbiterError
 from arbiter.settings import EngineSettings, ServerSettings
 from arbiter.signals import STOP_SIGNALS
 
+if TYPE_CHECKING:
+    from arbiter.engine.model_files import ModelFiles
+
 
 def serve(host: str | None = None, port: int | None = None, model: Path | None = None) -> int:
     """Read the settings (``ARBITER_*``, SageMaker's, ``SM_LLAMA_CPP_*``), configure logging, and
     serve until SIGTERM or SIGINT; 1 when the model cannot be loaded, 2 for a refused setting.
-    The model's, adapters' and profile's files are checked before the port is bound: a refusal
-    there reaches ``arbiter``'s main as one line (status 2), not a server that starts to die."""
-    from arbiter.engine import check_files
+    The model's, adapters' and profile's files are found and checked once, before the port is
+    bound (a refusal there reaches ``arbiter``'s main as one line, status 2, not a server that
+    starts to die); the engine then loads those files."""
     from arbiter.logging import configure, get_logger
     from arbiter.settings import from_environment
 
@@ -35,10 +38,8 @@ def serve(host: str | None = None, port: int | None = None, model: Path | None =
     server_settings = server_settings.model_copy(update=updates)
     if model is not None:
         engine_settings = engine_settings.model_copy(update={"model": model})
-    # The chat template first: it needs only a vocabulary, and is the more specific refusal
-    # when a file is wrong twice (a vocabulary-only GGUF with a template that cannot render).
-    check_before_listening(engine_settings)
-    check_files(engine_settings)
+    # The files and the chat template, then the weights (check_before_listening).
+    files = check_before_listening(engine_settings)
     from arbiter.ports import bind
 
     # The port next: a busy one is refused in one line before the model starts loading.
@@ -56,19 +57,24 @@ def serve(host: str | None = None, port: int | None = None, model: Path | None =
             names=unknown,
             note="these llama-server flags have no meaning in Arbiter and are ignored",
         )
-    return asyncio.run(_serve(server_settings, engine_settings, log, sock))
+    return asyncio.run(_serve(server_settings, engine_settings, files, log, sock))
 
 
-def check_before_listening(settings: EngineSettings) -> None:
-    """What refuses a model before the port opens, each in one line (``ModelLoadError``): the
-    model found, its prompt profile, and its chat template rendering a decision (from the GGUF's
-    header: milliseconds). Loading the weights, and what needs them, follows after `listening`."""
+def check_before_listening(settings: EngineSettings) -> ModelFiles:
+    """The files the engine will load, found once, and what refuses them before the port opens,
+    each in one line (``ModelLoadError``): the model, its adapters, its prompt profile
+    (``check_files``), and its chat template rendering a decision (from the GGUF's header:
+    milliseconds). Loading the weights, and what needs them, follows after `listening`."""
+    from arbiter.engine import check_files
     from arbiter.engine.prompting import check_template
-    from arbiter.models import resolve_model
-    from arbiter.profiles import resolve_profile
+    from arbiter.models import require_weights
 
-    resolved = resolve_model(settings.model, settings.model_dir)
-    check_template(resolved.path, settings, resolve_profile(settings.prompt_profile, resolved))
+    files = check_files(settings, weights=False)
+    # The template before the weights: it needs only a vocabulary, and is the more specific
+    # refusal when a file is wrong twice (a vocabulary-only GGUF whose template cannot render).
+    check_template(files.model.path, settings, files.profile)
+    require_weights(files.model.path)
+    return files
 
 
 def listening(settings: ServerSettings) -> tuple[str, str]:
@@ -103,6 +109,7 @@ def _url_host(host: str) -> str:
 async def _serve(
     server_settings: ServerSettings,
     engine_settings: EngineSettings,
+    files: ModelFiles | None,
     log: FilteringBoundLogger,
     sock: socket.socket,
 ) -> int:
@@ -110,7 +117,7 @@ async def _serve(
 
     from adapter.app import create_app
     from adapter.state import STATE
-    from arbiter.engine import Engine
+    from arbiter.engine import open_engine
 
     def progress(event: str, fields: dict[str, Any]) -> None:  # each step of the load, as it starts
         log.info(event, **fields)
@@ -118,7 +125,7 @@ async def _serve(
     cancel = threading.Event()  # a stop while the model loads cancels the load
     app = create_app(
         server_settings,
-        lambda: Engine(engine_settings, progress=progress, cancel=cancel),
+        lambda: open_engine(engine_settings, files=files, progress=progress, cancel=cancel),
         load_cancel=cancel,
     )
     # handler_cancellation: a client that disconnects cancels its handler, so it leaves the queue.

@@ -209,7 +209,7 @@ REASONING_SWITCHES = ("enable_thinking", "thinking", "thinking_budget", *OFF_SWI
 # A think block the prompt wrote in the newline form and closed at its very end (QwQ's and
 # R1-Distill-Qwen's fixtures, ``<think>\n</think>``): those families write a blank line after the
 # close (Qwen3's own closed block is ``<think>\n\n</think>\n\n``), and the answer comes after
-# it, one token later (issue 35: 0.001 read at ``</think>``).
+# it, one token later (read at ``</think>``, the labels get 0.001 of the mass).
 NEWLINE_THINK_CLOSED = re.compile(r"<think>\n\s*</think>\Z")
 THINK_SEPARATOR = "\n\n"
 

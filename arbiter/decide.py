@@ -19,6 +19,9 @@ def cmd_decide(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout  # at the call: a default bound at import kept an old stdout
     from tqdm import tqdm
 
+    # The input first: a file that is not there is refused in one line (``arbiter.refusals``)
+    # before llama.cpp is imported or a model loads.
+    lines = list(numbered_lines(Path(args.file)))
     from arbiter.engine import open_engine
     from arbiter.errors import ModelLoadError
 
@@ -27,7 +30,6 @@ def cmd_decide(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except ModelLoadError as exc:  # a refused model, template or profile: one line, no traceback
         print(f"arbiter decide: {exc.message}", file=sys.stderr)
         return 2
-    lines = list(numbered_lines(Path(args.file)))
     failures = 0
     with tqdm(total=len(lines), unit="decision", file=sys.stderr, disable=args.quiet) as bar:
         for start in range(0, len(lines), args.chunk):

@@ -161,7 +161,7 @@ def validation_error(exc: ValidationError, prefix: str | None = None) -> Invalid
     """The pydantic error as a typed error naming its field (``options.2.id``): the first one,
     or, where a union tried its members, the deepest (the member the input has the shape of: a
     list of content parts says which part, not that it is not a string), with the members'
-    tags left out of the field's name (issue 35)."""
+    tags left out of the field's name."""
     errors = exc.errors()
     first = max(errors, key=lambda error: len(error["loc"]))
     if not any(isinstance(part, str) and _UNION_TAG.match(part) for part in first["loc"]):

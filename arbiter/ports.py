@@ -1,9 +1,9 @@
 """A listening port taken before anything slow starts, or refused in one line.
 
-`arbiter serve` used to load its model (25 s for the 1.5B) and then die on a busy port with a
-25-line traceback; the pool's metrics port and the runtime API did the same. Each now binds its
-socket first and serves on it (aiohttp's ``SockSite``), so a busy port is one line, status 2,
-naming the variable that moves it, before a model loads or a queue is touched.
+`arbiter serve`, the pool's metrics port and the runtime API each bind their socket first and
+serve on it (aiohttp's ``SockSite``), so a busy port is one line, status 2, naming the variable
+that moves it, before a model loads (25 s for the 1.5B) or a queue is touched, not a traceback
+after.
 
 A parent that claimed a part's port itself (``arbiter local`` holds every port of its stack from
 before anything starts, so two stacks started together cannot both pass the check) hands the

@@ -143,7 +143,7 @@ def answer_ready(prompt_end: str) -> str:
     A turn written ``Role: `` + content (Llama 2 chat, Vicuna, OpenChat, DeepSeek LLM, Reka-Edge),
     or a cue such as ``The answer is ``, ends in a space that BPE and SentencePiece vocabularies
     write as part of the next word (`` A``): read after it, the model sees a lone space token it
-    never wrote and puts half its mass elsewhere (issue 35: 0.469 against 0.997 on Qwen2.5 1.5B).
+    never wrote and puts half its mass elsewhere (label mass 0.469 against 0.997 on Qwen2.5 1.5B).
     The answer is read before the space, where the labels' spaced spelling (`` A``) is the word
     the model writes."""
     return prompt_end[:-1] if prompt_end.endswith(" ") else prompt_end
@@ -220,8 +220,8 @@ Segments = list[tuple[str, bool]]  # (text, is_template_text)
 PLAIN_STOPS = ["\nuser:", "\nsystem:"]  # where a plain transcript's reply ends
 # What every control token's text is written with (<|im_end|>, [INST], <s>, <｜Assistant｜>,
 # <start_of_turn>): a caller's string that holds one of these reaches the template as a mark,
-# and is placed as text like a message (issue 35: a message's name, reasoning_effort and the
-# chat_template_kwargs values were tokenized with special-token parsing). A mark's own name too.
+# and is placed as text like a message, never tokenized with special-token parsing (a message's
+# name, reasoning_effort and the chat_template_kwargs values included). A mark's own name too.
 _MARKUP = re.compile("[<>\\[\\]|\uff5c\u0000]|" + marks.NAME.pattern, re.IGNORECASE)
 
 

@@ -348,7 +348,7 @@ def comparison_ratios(report: dict[str, Any]) -> list[Ratio]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from arbiter.engine import Engine
+    from arbiter.engine import open_engine
     from arbiter.settings import EngineSettings
 
     out = Path(args.out)
@@ -372,7 +372,7 @@ def main(args: argparse.Namespace) -> int:
         overrides["n_gpu_layers"] = n_gpu
     if args.model is not None:
         overrides["model"] = args.model
-    engine = Engine(EngineSettings(**overrides))
+    engine = open_engine(EngineSettings(**overrides))
     report["model"] = engine.model_info.file
     try:
         print("decision vs generation ...", file=sys.stderr)

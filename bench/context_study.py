@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from arbiter.engine import Engine
+from arbiter.engine import open_engine
 from arbiter.engine.llama import ContextShape, Llama
 from arbiter.prompt import state_text
 from arbiter.schema import DecisionRequest
@@ -85,7 +85,7 @@ def study(
     settings = EngineSettings(
         model=model, n_threads=threads, n_ctx=n_ctx, prefix_cache_mb=0, order_policy=ONE_READ
     )
-    engine = Engine(settings)
+    engine = open_engine(settings)
     contexts: list[tuple[Variant, Llama]] = []
     try:
         tokens = [engine.prompt_tokens(d) for d in decisions]

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from arbiter.engine import Engine, Generation, SamplingParams
+from arbiter.engine import Engine, Generation, SamplingParams, open_engine
 from arbiter.engine.grammar import schema_grammar
 from arbiter.engine.sampler import Candidates, Grammar
 from arbiter.models import bundled_model, smollm2_path
@@ -68,7 +68,7 @@ def bench_model(
     settings = EngineSettings(model=path, n_ctx=2048)
     if threads:
         settings = settings.model_copy(update={"n_threads": threads})
-    engine = Engine(settings)
+    engine = open_engine(settings)
     try:
         segments = render_chat(
             [("user", "Describe a person as JSON: name, age, city and pets.")],

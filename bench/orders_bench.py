@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from arbiter.engine import Engine
+from arbiter.engine import Engine, open_engine
 from arbiter.schema import DecisionResult
 from arbiter.settings import engine_from_environment
 from bench.common import DECISIONS, shown
@@ -58,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
     settings = engine_from_environment().model_copy(update={"prefix_cache_mb": 0.0})
     if args.model is not None:
         settings = settings.model_copy(update={"model": args.model})
-    engine = Engine(settings)
+    engine = open_engine(settings)
     rows: list[dict[str, Any]] = []
     progress = Progress("orders")
     try:

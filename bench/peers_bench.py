@@ -207,10 +207,10 @@ class Workload:
 def build_workload(model: Path, decisions: int, states: int) -> Workload:
     """Decisions sized like the issue's (326-408 prompt tokens) and their exact prompt tokens, from
     an engine of the same model (closed before the servers start)."""
-    from arbiter.engine import Engine
+    from arbiter.engine import open_engine
     from arbiter.settings import EngineSettings
 
-    engine = Engine(EngineSettings(model=model, n_threads=1, prefix_cache_mb=0))
+    engine = open_engine(EngineSettings(model=model, n_threads=1, prefix_cache_mb=0))
     try:
         cold = []
         for i in range(decisions):

@@ -21,7 +21,7 @@ from arbiter.logging import get_logger
 from emulator import limits
 from emulator.async_request import AsyncRequest
 from emulator.container import Container, ContainerUnreachable, Invocation, passed_back
-from emulator.notify import Outcome
+from emulator.notify import InferenceResult
 from emulator.s3io import READ_BYTES, ObjectWriter
 
 log = get_logger("arbiter.runtime")
@@ -57,7 +57,7 @@ class Answering:
         self.readable = readable
         self.clock = clock
 
-    async def answer(self, request: AsyncRequest) -> Outcome:
+    async def answer(self, request: AsyncRequest) -> InferenceResult:
         waited = self.clock() - request.queued_at
         if waited > request.ttl_s:
             return await self.failed(
@@ -88,7 +88,7 @@ class Answering:
                 target = request.output if status < 400 else request.failure
                 if target is None:  # no S3FailurePath: the notification alone
                     await reply.read()
-                    return Outcome("Failed", content_type, _model_reason(status))
+                    return InferenceResult("Failed", content_type, _model_reason(status))
                 await _copy(reply, ObjectWriter(self.s3, target, content_type), head)
         except ContainerUnreachable as exc:
             raise NotReached(str(exc)) from exc
@@ -107,12 +107,12 @@ class Answering:
                     f"InternalFailure: the model's answer could not be written to {request.output}"
                     f" ({exc})",
                 )
-            return Outcome("Failed", content_type, f"{_model_reason(status)} ({exc})")
+            return InferenceResult("Failed", content_type, f"{_model_reason(status)} ({exc})")
         if status < 400:
-            return Outcome("Completed", content_type, output_written=True)
-        return Outcome("Failed", content_type, _model_reason(status), failure_written=True)
+            return InferenceResult("Completed", content_type, output_written=True)
+        return InferenceResult("Failed", content_type, _model_reason(status), failure_written=True)
 
-    async def failed(self, request: AsyncRequest, reason: str) -> Outcome:
+    async def failed(self, request: AsyncRequest, reason: str) -> InferenceResult:
         """A failure object saying ``reason`` (unless the endpoint has no failure path)."""
         written = False
         if request.failure is not None:
@@ -132,7 +132,9 @@ class Answering:
                     location=str(request.failure),
                     error=repr(exc),
                 )
-        return Outcome("Failed", "application/json" if written else None, reason, False, written)
+        return InferenceResult(
+            "Failed", "application/json" if written else None, reason, False, written
+        )
 
     async def _payload(self, request: AsyncRequest) -> AsyncIterator[bytes]:
         """The inline body, or the S3 object opened now and streamed into the container's request
@@ -151,7 +153,7 @@ class Answering:
         except Exception as exc:
             raise _InputError(f"could not read the input at {source} ({exc})") from exc
         size, most = int(got.get("ContentLength") or 0), limits.MAX_ASYNC_INPUT_BYTES
-        if size > most:  # documented, and now enforced: before, 1.1 GB was answered
+        if size > most:  # the documented limit: a larger input is refused, not answered
             got["Body"].close()
             raise _InputError(
                 f"the input at {source} is {size:,} bytes, over Asynchronous Inference's "

@@ -126,7 +126,7 @@ class Backlog:
     async def take(self, wait_s: int) -> Held | None:
         """One request, or None after ``wait_s`` of an empty queue. A message that is not a
         whole request but names its inference id and locations is returned ``unreadable``, to be
-        answered with a failure (before, it was deleted unanswered); one that names nothing to
+        answered with a failure, not deleted unanswered; one that names nothing to
         answer is logged and deleted."""
         try:
             got = await self.sqs.receive_message(

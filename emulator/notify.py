@@ -17,8 +17,9 @@ PUBLISH_TRIES = 3
 
 
 @dataclass(frozen=True)
-class Outcome:
-    """What became of a request: ``Completed`` or ``Failed``, and what was written."""
+class InferenceResult:
+    """What became of a request, as the notification of that name says it: ``Completed`` or
+    ``Failed``, and what was written."""
 
     status: str
     content_type: str | None = None
@@ -27,7 +28,7 @@ class Outcome:
     failure_written: bool = False
 
 
-def message(request: AsyncRequest, outcome: Outcome, *, endpoint: str, region: str) -> str:
+def message(request: AsyncRequest, outcome: InferenceResult, *, endpoint: str, region: str) -> str:
     request_params: dict[str, Any] = {"endpointName": endpoint}
     if request.content_type is not None:
         request_params["contentType"] = request.content_type

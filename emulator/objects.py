@@ -1,23 +1,22 @@
 """One input object's run in a transform job: its mini-batches (held, at most
 ``MaxConcurrentTransforms`` in flight, their answers assembled in input order) or, where nothing
-limits a request, the object streamed as one; every request retried as the job's
-``ModelClientConfig`` says (a 5xx, a timeout or a broken connection tried again, a 4xx not).
+limits a request, the object streamed as one; the calls themselves, and their retries, are
+:mod:`emulator.transform_client`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 
 from arbiter.settings import MB
-from emulator.container import INVENTED
 from emulator.dataprocessing import DataProcessing, RecordFailed
-from emulator.s3io import READ_BYTES, ObjectWriter, S3Uri
+from emulator.s3io import ObjectWriter, S3Uri
 from emulator.splits import (
     MAX_PAYLOAD,
     SINGLE_RECORD_CAP,
@@ -26,15 +25,9 @@ from emulator.splits import (
     mini_batches,
     object_chunks,
     records,
-    slices,
 )
+from emulator.transform_client import JobFailed, TransformClient
 from infra.transform import TransformJob
-
-T = TypeVar("T")
-
-
-class JobFailed(Exception):
-    """The transform job failed; the message is its FailureReason."""
 
 
 @dataclass(frozen=True)
@@ -51,15 +44,6 @@ class ObjectResult:
     records: int = 0
     mini_batches: int = 0
     bytes_out: int = 0
-
-
-class _Refused(Exception):
-    """One attempt failed; ``retry`` says whether another may succeed (a 4xx would be refused
-    again)."""
-
-    def __init__(self, reason: str, retry: bool) -> None:
-        super().__init__(reason)
-        self.retry = retry
 
 
 class ReadAhead:
@@ -113,68 +97,14 @@ class Transform:
         self.processing = processing
         self.resolved = resolved
         self.s3 = s3
-        self.http = http
-        self.url = url.rstrip("/") + "/invocations"
-        self.slots = asyncio.Semaphore(resolved.max_concurrent)
+        self.client = TransformClient(job, http, url, resolved.max_concurrent)
         self.read_ahead = ReadAhead(MAX_PAYLOAD)
-        self.timeout = aiohttp.ClientTimeout(total=job.invocations_timeout_s)
         self.gzip = job.compression == "Gzip"
         limit = resolved.max_payload_bytes
         # What has no limit is never gathered: the object is one request, streamed.
         self.streams = job.split_type == "None" or (
             limit == 0 and resolved.strategy == "MultiRecord" and not processing.active
         )
-
-    def _headers(self) -> dict[str, str]:
-        return {"Content-Type": self.job.content_type, "Accept": self.job.accept}
-
-    async def _retried(self, attempt: Callable[[], Awaitable[T]]) -> T:
-        """``attempt`` as the job's ModelClientConfig says: a 5xx, a timeout or a broken
-        connection tried again ``InvocationsMaxRetries`` times, a 4xx not."""
-        retries = self.job.invocations_max_retries
-        last = ""
-        for number in range(retries + 1):
-            try:
-                return await attempt()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                last = f"the container did not answer ({type(exc).__name__}: {exc})"
-            except _Refused as refused:
-                last = str(refused)
-                if not refused.retry:
-                    break
-            if number < retries:
-                await asyncio.sleep(min(2.0**number * 0.1, 2.0))
-        raise JobFailed(f"ClientError: {last}")
-
-    @staticmethod
-    def _refused(status: int, body: bytes) -> _Refused:
-        return _Refused(f"Received {status} from the container: {body[:300]!r}", status >= 500)
-
-    async def invoke(self, payload: bytes | bytearray) -> bytearray:
-        """One mini-batch, held (a retry sends it again), retried; its slot released after."""
-        headers = {**self._headers(), "Content-Length": str(len(payload))}
-
-        async def once() -> bytearray:
-            # Sent in slices (flow-controlled: a 100 MB write would be copied into the
-            # transport's buffer), the answer gathered into one buffer (read() joins a copy).
-            async with self.http.post(
-                self.url,
-                data=slices(payload),
-                headers=headers,
-                timeout=self.timeout,
-                skip_auto_headers=INVENTED,
-            ) as response:
-                body = bytearray()
-                async for chunk in response.content.iter_chunked(READ_BYTES):
-                    body += chunk
-            if response.status >= 400:
-                raise self._refused(response.status, bytes(body))
-            return body
-
-        try:
-            return await self._retried(once)
-        finally:
-            self.slots.release()
 
     async def run_object(self, source: S3Uri, output: S3Uri) -> ObjectResult:
         if self.streams:
@@ -203,8 +133,8 @@ class Transform:
                 ):
                     await self._assemble(writer, pending.popleft())
                 await self.read_ahead.take(len(payload))
-                await self.slots.acquire()
-                task = asyncio.create_task(self.invoke(payload))
+                await self.client.slots.acquire()
+                task = asyncio.create_task(self.client.invoke(payload))
                 originals = [kept.popleft() for _ in range(count)] if self.processing.active else []
                 pending.append(Pending(task, len(payload), originals, result.records + 1))
                 result.records += count
@@ -270,7 +200,7 @@ class Transform:
         """The object as one request whose body is streamed from S3 (re-read for each try) and
         whose answer is streamed into the output: neither is ever held whole."""
         limit = self.resolved.max_payload_bytes
-        headers = self._headers()
+        headers = self.client.headers()
         if not self.gzip:  # the size is known before a byte is read: check it first
             head = await self.s3.head_object(Bucket=source.bucket, Key=source.key)
             size = int(head["ContentLength"])
@@ -287,16 +217,7 @@ class Transform:
             body = StreamedBody(object_chunks(self.s3, source, self.gzip), limit)
             writer = ObjectWriter(self.s3, output, self.job.accept)
             try:
-                async with self.http.post(
-                    self.url,
-                    data=body,
-                    headers=headers,
-                    timeout=self.timeout,
-                    skip_auto_headers=INVENTED,
-                ) as response:
-                    if response.status >= 400:
-                        raise self._refused(response.status, await response.content.read(300))
-                    await self._copy(response, writer)
+                await self.client.stream(body, headers, writer)
                 await writer.close()
             except BaseException as exc:
                 await writer.abort()
@@ -306,17 +227,9 @@ class Transform:
             result.records = 1 if self.job.split_type == "None" else body.records
             return writer
 
-        await self.slots.acquire()
+        await self.client.slots.acquire()
         try:
-            result.bytes_out = (await self._retried(once)).bytes
+            result.bytes_out = (await self.client.retried(once)).bytes
         finally:
-            self.slots.release()
+            self.client.slots.release()
         return result
-
-    async def _copy(self, response: aiohttp.ClientResponse, writer: ObjectWriter) -> None:
-        last = b""
-        async for chunk in response.content.iter_chunked(READ_BYTES):
-            await writer.write(chunk)
-            last = chunk[-1:]
-        if self.job.assemble_with == "Line" and writer.bytes and last != b"\n":
-            await writer.write(b"\n")

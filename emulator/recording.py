@@ -1,10 +1,9 @@
 """When an async answer cannot be recorded: wait for the store, do not ask the model again.
 
-An outcome that neither S3 nor SNS would take goes back to the queue. Before, it went back for 30 s
-and was then sent to the container again, every 30 s, without a cap: the model recomputed an answer
-the store could not keep. Now the wait doubles with each receive (up to ``MOST_S``), and after such
-a failure no request reaches the container until the store answers a ``HeadBucket`` again: an
-outage spends waiting, not the model's time (STYLE: retries by kind of fault). The request's
+An outcome that neither S3 nor SNS would take goes back to the queue, and its wait doubles with
+each receive (up to ``MOST_S``); after such a failure no request reaches the container until the
+store answers a ``HeadBucket`` again. An outage spends waiting, not the model's time recomputing an
+answer the store cannot keep (STYLE: retries by kind of fault). The request's
 ``RequestTTLSeconds`` still ends it, with a failure, once the store is back.
 """
 

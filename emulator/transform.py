@@ -28,7 +28,8 @@ import aiohttp
 from arbiter.settings import MB
 from emulator.dataprocessing import DataProcessing
 from emulator.inputs import Input, InputsFailed, job_inputs
-from emulator.objects import JobFailed, ObjectResult, Resolved, Transform
+from emulator.objects import ObjectResult, Resolved, Transform
+from emulator.transform_client import JobFailed
 from infra.transform import TransformJob
 
 DEFAULTS = {"MaxConcurrentTransforms": 1, "MaxPayloadInMB": 6, "BatchStrategy": "SingleRecord"}

@@ -16,15 +16,15 @@ from arbiter.engine import Engine
 from arbiter.errors import ArbiterError
 from arbiter.schema import DecisionRequest
 
-Outcome = tuple[dict[str, Any] | None, dict[str, Any] | None]  # (result, error)
+ResultOrError = tuple[dict[str, Any] | None, dict[str, Any] | None]  # (result, error)
 
 
 class Backend(Protocol):
     name: str
 
-    def decide(self, request: DecisionRequest) -> Outcome: ...
+    def decide(self, request: DecisionRequest) -> ResultOrError: ...
 
-    def decide_many(self, requests: Sequence[DecisionRequest]) -> list[Outcome]:
+    def decide_many(self, requests: Sequence[DecisionRequest]) -> list[ResultOrError]:
         """Decisions sent together (one request: a shared state is prefilled once)."""
         ...
 
@@ -42,7 +42,7 @@ class EngineBackend:
         self.engine = engine
         self.name = f"in-process ({engine.model_info.file})"
 
-    def decide(self, request: DecisionRequest) -> Outcome:
+    def decide(self, request: DecisionRequest) -> ResultOrError:
         try:
             outcome = self.engine.score([request])[0]
         except ArbiterError as exc:
@@ -51,7 +51,7 @@ class EngineBackend:
             return None, outcome.to_dict()
         return outcome.model_dump(mode="json"), None
 
-    def decide_many(self, requests: Sequence[DecisionRequest]) -> list[Outcome]:
+    def decide_many(self, requests: Sequence[DecisionRequest]) -> list[ResultOrError]:
         try:
             outcomes = self.engine.score(list(requests))
         except ArbiterError as exc:
@@ -95,14 +95,14 @@ class HttpBackend:
         except json.JSONDecodeError as exc:
             return None, {"type": "api_error", "code": "bad_response", "message": str(exc)}
 
-    def decide(self, request: DecisionRequest) -> Outcome:
+    def decide(self, request: DecisionRequest) -> ResultOrError:
         raw, error = self._post({"decision": request.model_dump(mode="json", exclude_none=True)})
         if error is not None:
             return None, error
         result = raw.get("result") if isinstance(raw, dict) else None
         return _checked(result)
 
-    def decide_many(self, requests: Sequence[DecisionRequest]) -> list[Outcome]:
+    def decide_many(self, requests: Sequence[DecisionRequest]) -> list[ResultOrError]:
         decisions = [r.model_dump(mode="json", exclude_none=True) for r in requests]
         raw, error = self._post({"decisions": decisions})
         if error is not None:
@@ -135,7 +135,7 @@ _BAD = {
 }
 
 
-def _checked(result: Any) -> Outcome:
+def _checked(result: Any) -> ResultOrError:
     if not isinstance(result, dict) or "probabilities" not in result:
         return None, dict(_BAD)
     return result, None

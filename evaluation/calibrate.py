@@ -44,7 +44,7 @@ LOG_T_RANGE = (math.log(0.02), math.log(50.0))
 MARGINS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 8.0, 1000.0)  # 1000: every round
 BUDGETS = (0.01, 0.05, 0.1)
 # What a default decision may cost against one read (prefilled tokens, each decision cold): the
-# margin is the best the fit part affords within it (issue 34: at most 1.5x).
+# margin is the best the fit part affords within it (at most 1.5x).
 DEFAULT_MAX_COST = 1.5
 
 

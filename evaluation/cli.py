@@ -61,9 +61,9 @@ def _open_backend(args: argparse.Namespace, compare: str | None = None) -> Backe
         return HttpBackend(compare, timeout=args.timeout)
     if args.url and compare is None:
         return HttpBackend(args.url, timeout=args.timeout)
-    from arbiter.engine import Engine
+    from arbiter.engine import open_engine
 
-    return EngineBackend(Engine(_engine_settings(args, overrides(compare) if compare else {})))
+    return EngineBackend(open_engine(_engine_settings(args, overrides(compare) if compare else {})))
 
 
 def _items(args: argparse.Namespace) -> list[EvalItem] | None:
@@ -225,9 +225,9 @@ def _collect(args: argparse.Namespace, items: list[EvalItem]) -> list[dict[str, 
     if args.url:
         backend: Backend = HttpBackend(args.url, timeout=args.timeout)
     else:
-        from arbiter.engine import Engine
+        from arbiter.engine import open_engine
 
-        backend = EngineBackend(Engine(_engine_settings(args, raw)))
+        backend = EngineBackend(open_engine(_engine_settings(args, raw)))
     held = args.holdout_split
 
     def keep(record: dict[str, Any]) -> None:

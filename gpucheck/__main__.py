@@ -20,9 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.mode == "device":
-        from gpucheck import pipeline
+        from gpucheck import device
 
-        return pipeline.device(args.out)
+        return device.run(args.out)
     from gpucheck import rehearse
 
     if args.mode == "prepare":

@@ -1,4 +1,4 @@
-"""The GPU check's stages, run on the device (CUDA build) or rehearsed here (CPU build).
+"""How the GPU check runs its stages, on the device (CUDA build) or rehearsed here (CPU build).
 
 Each stage is timed and recorded; the results (``gpu-check.json`` and ``gpu-check.md``) are written
 again after every stage, so a run stopped at its limit still returns what it measured. A stage
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 import time
@@ -21,14 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpucheck import build, carry, plan, report, source, wheels
+from gpucheck import plan, report
 
-TEST_FILES = (
-    "tests/arbiter/test_engine.py",
-    "tests/arbiter/test_engine_faults.py",
-    "tests/arbiter/test_systemone.py",
-)
-SEED = 270
 RESERVE_S = 15  # kept back from every subprocess's limit, to write the results
 
 
@@ -78,7 +70,7 @@ def json_line(stdout: str, key: str) -> dict[str, Any]:
     raise RuntimeError(f"no result with {key!r} in the output")
 
 
-class Runner:
+class Stages:
     """Runs stages in order, records them, and rewrites the results after each."""
 
     def __init__(self, mode: str, paths: Paths, settings: Settings) -> None:
@@ -132,7 +124,7 @@ class Runner:
         env["PYTHONPATH"] = os.pathsep.join(map(str, (p.site, p.llama, p.gguf_py, plan.ROOT)))
         env["ARBITER_N_GPU_LAYERS"] = str(gpu_layers)
         # The model is generated with random weights, which put no mass on the option labels: the
-        # read check at load (issue 28) refuses it, and the bench and agreement legs with it.
+        # read check at load refuses it, and the bench and agreement legs with it.
         env["ARBITER_READ_CHECK"] = "off"
         env["PYTHONUNBUFFERED"] = "1"
         if hide_gpu:
@@ -160,162 +152,6 @@ class Runner:
             what = " ".join([Path(args[0]).name, *args[1:4]])
             raise RuntimeError(f"{what}... exited {result.returncode}")
         return result
-
-    # -- stages shared by the device and the rehearsal ---------------------------------------------
-
-    def install_wheels(self) -> str:
-        p = self.paths
-        version = subprocess.run(
-            [p.python, "-c", "import sys; print(*sys.version_info[:2])"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.split()
-        chosen = wheels.select(p.carry / carry.WHEELS_DIR, (int(version[0]), int(version[1])))
-        if p.site.exists():
-            shutil.rmtree(p.site)
-        self.run(wheels.install_command(p.python, chosen, p.site), dict(os.environ))
-        return f"{len(chosen)} wheels into {p.site}"
-
-    def synthesize(self) -> str:
-        p = self.paths
-        if p.model.is_file() and p.model.with_suffix(".json").is_file():
-            made = json.loads(p.model.with_suffix(".json").read_text())
-            made["cached"] = True
-        else:
-            result = self.run(
-                [
-                    p.python,
-                    "-m",
-                    "gpucheck.synth",
-                    str(p.carry / carry.SKELETON_NAME),
-                    str(p.model),
-                    "--seed",
-                    str(SEED),
-                    "--threads",
-                    str(os.cpu_count() or 2),
-                ],
-                self.env(),
-            )
-            made = json_line(result.stdout, "matches_real_tensor_table")
-            p.model.with_suffix(".json").write_text(json.dumps(made))
-        manifest = json.loads((p.carry / carry.MANIFEST_NAME).read_text())
-        made["source"] = manifest["skeleton"]["source"]
-        self.results["model"] = made
-        return f"{made['bytes']} bytes, types {made['types']}"
-
-    def tests(self) -> str:
-        gpu = self.settings.gpu
-        log = self.paths.out / "tests.log"
-        env = self.env(gpu_layers=-1 if gpu else 0)
-        env["ARBITER_TEST_MODEL"] = str(self.paths.model)
-        # Random weights put no mass on the labels: the read check at load would refuse them.
-        env["ARBITER_READ_CHECK"] = "warn"
-        args = [
-            self.paths.python,
-            "-m",
-            "pytest",
-            "-c",
-            str(plan.ROOT / "gpucheck" / "pytest.ini"),
-            "--rootdir",
-            str(plan.ROOT),
-            "-q",
-            "-rfE",
-            *TEST_FILES,
-        ]
-        try:
-            self.run(args, env, log=log, limit=self.settings.tests_limit_s)
-        finally:
-            text = log.read_text() if log.exists() else ""
-            summary = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?)\s*=*$", text, re.MULTILINE)
-            self.results["tests"] = {
-                "summary": summary[-1] if summary else "no summary (see tests.log)",
-                "where": "every layer on the GPU" if gpu else "CPU build (rehearsal)",
-                "files": list(TEST_FILES),
-            }
-        summary_line: str = self.results["tests"]["summary"]
-        return summary_line
-
-    def bench(self, leg: str) -> str:
-        gpu = leg == "gpu"
-        env = self.env(gpu_layers=-1 if gpu else 0, hide_gpu=not gpu and self.settings.gpu)
-        repeats = self.settings.repeats
-        if self.left() < 240:  # a slow build left less time than planned: fewer, not none
-            repeats = min(repeats, 3 if self.left() >= 150 else 1)
-        result = self.run(
-            [
-                self.paths.python,
-                "-m",
-                "arbiter",
-                "bench",
-                "engine",
-                "--json",
-                "--model",
-                str(self.paths.model),
-                "--repeats",
-                str(repeats),
-                "--long-prompt",
-                str(self.settings.long_prompt),
-            ],
-            env,
-        )
-        data = json_line(result.stdout, "single_150")
-        data["repeats"] = repeats
-        self.results["bench"][leg] = data
-        return ", ".join(
-            f"{k} {data[k]['engine_p50_ms']:.1f} ms"
-            for k in ("single_150", "single_600", "single_long")
-            if k in data
-        )
-
-    def agreement(self) -> str:
-        """Two engine processes over the same decisions: CPU first (the reference), then GPU."""
-        work, gpu = self.paths.work, self.settings.gpu
-        legs = (("cpu", 0, gpu), ("gpu", -1, False) if gpu else ("cpu-again", 0, False))
-        dumps = []
-        for name, layers, hide in legs:
-            target = work / f"agreement-{name}.npz"
-            self.run(
-                [
-                    self.paths.python,
-                    "-m",
-                    "bench.agreement",
-                    "dump",
-                    str(target),
-                    "--model",
-                    str(self.paths.model),
-                    "--long-prompt",
-                    str(self.settings.long_prompt),
-                    "--questions",
-                    str(self.settings.questions),
-                ],
-                self.env(gpu_layers=layers, hide_gpu=hide),
-            )
-            dumps.append(target)
-        result = self.run(
-            [self.paths.python, "-m", "bench.agreement", "compare", *map(str, dumps)],
-            self.env(),
-        )
-        data = json_line(result.stdout, "max_abs_option_logit")
-        data["legs"] = "GPU vs CPU" if gpu else "CPU vs CPU, two processes (rehearsal)"
-        self.results["agreement"] = data
-        if not data["within_tolerance"]:
-            raise RuntimeError(f"option logits differ by {data['max_abs_option_logit']:.3f}")
-        return f"max |option logit diff| {data['max_abs_option_logit']:.4f}"
-
-    def checks(self) -> None:
-        """The part the device and the rehearsal share: model, tests, benches, agreement."""
-        self.stage("model", self.synthesize, needs=("build", "wheels"), min_s=60)
-        self.stage("tests", self.tests, needs=("model",), min_s=90)
-        if self.settings.gpu:
-            self.stage("bench-gpu", lambda: self.bench("gpu"), needs=("model",), min_s=60)
-        self.stage("bench-cpu", lambda: self.bench("cpu"), needs=("model",), min_s=90)
-        self.stage("agreement", self.agreement, needs=("model",), min_s=45)
-        for leg, data in self.results["bench"].items():
-            verdict = report.parallel_verdict(data)
-            if verdict:
-                self.results.setdefault("parallel_branches", {})[leg] = verdict
-        self.write()
 
     def failed(self) -> list[str]:
         return [s["name"] for s in self.results["stages"] if s["status"] != "ok"]
@@ -345,50 +181,3 @@ def machine(gpu: bool) -> dict[str, Any]:
         nvcc = _output(["nvcc", "--version"]).splitlines()
         info["nvcc"] = nvcc[-1] if nvcc else ""
     return info
-
-
-def device(out: Path) -> int:
-    """On the accelerator machine: everything from the carried folder, nothing from a network."""
-    work = Path(os.environ.get("GPU_CHECK_WORK", "/tmp/gpu-check"))
-    paths = Paths(
-        carry=plan.CARRY,
-        work=work,
-        out=out,
-        python=sys.executable,
-        site=work / "site",
-        llama=work / "llama",
-        gguf_py=work / "src" / "llama-src" / "vendor" / "llama.cpp" / "gguf-py",
-        model=work / "model.gguf",
-    )
-    runner = Runner("device", paths, DEVICE)
-    runner.results["machine"] = machine(gpu=True)
-    runner.results["budget_s"] = DEVICE.budget_s
-    runner.stage("wheels", runner.install_wheels)
-
-    def build_cuda() -> str:
-        src = source.extract(paths.carry / carry.SOURCE_NAME, work / "src")
-        libs = build.find_cuda()
-        times = build.build(
-            src,
-            work / "build",
-            paths.llama,
-            cuda=libs,
-            log=out / "build.log",
-            timeout=runner.left() - RESERVE_S,
-        )
-        offload = runner.run(
-            [paths.python, "-c", "import llama_cpp; print(llama_cpp.llama_supports_gpu_offload())"],
-            runner.env(),
-        ).stdout.strip()
-        if offload != "True":
-            raise RuntimeError("the CUDA build reports no GPU offload")
-        runner.results["build"] = {**times, "cuda": libs.notes, "cmake_cuda": libs.cmake_args()}
-        took = f"configure {times['configure_s']:.0f} s, build {times['build_s']:.0f} s"
-        return "; ".join([took, *libs.notes])
-
-    runner.stage("build", build_cuda, min_s=120)
-    runner.checks()
-    failed = runner.failed()
-    print(report.markdown(runner.results))
-    print("gpu-check: " + ("all stages ok" if not failed else f"not ok: {', '.join(failed)}"))
-    return 1 if failed else 0

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpucheck import build, carry, pipeline, plan, source
+from gpucheck import build, carry, checks, pipeline, plan, source
 
 
 def prepare() -> dict[str, object]:
@@ -93,11 +93,11 @@ def rehearse(out: Path) -> int:
         site=work / "site",
         llama=plan.CACHE / f"llama-cpu-{llama_key}",
         gguf_py=carry.gguf_py_dir(src),
-        model=plan.CACHE / f"model-{skeleton_key}-{pipeline.SEED}-{llama_key}.gguf",
+        model=plan.CACHE / f"model-{skeleton_key}-{checks.SEED}-{llama_key}.gguf",
     )
-    runner = pipeline.Runner("rehearsal", paths, pipeline.REHEARSAL)
-    runner.results["machine"] = pipeline.machine(gpu=False)
-    runner.stage("wheels", runner.install_wheels)
+    stages = pipeline.Stages("rehearsal", paths, pipeline.REHEARSAL)
+    stages.results["machine"] = pipeline.machine(gpu=False)
+    stages.stage("wheels", lambda: checks.install_wheels(stages))
 
     def build_cpu() -> str:
         if (paths.llama / "llama_cpp" / "lib" / "libllama.so").exists():
@@ -107,9 +107,9 @@ def rehearse(out: Path) -> int:
         shutil.rmtree(build_dir, ignore_errors=True)
         return f"configure {times['configure_s']:.0f} s, build {times['build_s']:.0f} s"
 
-    runner.stage("build", build_cpu)
-    runner.checks()
-    failed = runner.failed()
+    stages.stage("build", build_cpu)
+    checks.run_all(stages)
+    failed = stages.failed()
     print((out / "gpu-check.md").read_text())
     print(device_call())
     print("gpu-check --rehearse: " + ("all stages ok" if not failed else f"not ok: {failed}"))

@@ -17,7 +17,7 @@ from botocore.exceptions import ClientError
 from infra.deploy import Call, DeployConfig, DeployError, Plan, Template, build_plan, print_plan
 
 
-class Runner:
+class Deployer:
     """Runs a plan's calls with botocore clients (one per service)."""
 
     def __init__(self, config: DeployConfig, log: Callable[[str], None]) -> None:
@@ -157,11 +157,11 @@ def deploy(config: DeployConfig, *, dry_run: bool, out: TextIO, log: Callable[[s
     if dry_run:
         print_plan(plan, out)
         return 0
-    runner = Runner(config, log)
+    deployer = Deployer(config, log)
     try:
-        outputs = runner.run(plan)
+        outputs = deployer.run(plan)
     finally:
-        runner.close()
+        deployer.close()
     out.write(
         json.dumps({"stack": config.stack, "model_key": plan.model_key, "outputs": outputs}) + "\n"
     )

@@ -1,9 +1,9 @@
 """The read check on what `arbiter package-model` packs and `arbiter deploy` ships: the engine
 loaded as the serving container loads it (the GGUF, its prompt profile, its LoRA adapters; an
 archive unpacked into a model directory and resolved through its manifest), its start-up probes
-scored, and a package that would refuse to start refused here. `package-model` accepted the docs'
-own example profile with the bundled model, and the archive then refused to start (label mass
-0.106); on AWS that is found after a 10-15 minute endpoint deploy (issue 35).
+scored, and a package that would refuse to start refused here, not after a 10-15 minute endpoint
+deploy on AWS (the docs' own example profile with the bundled model reads a label mass of 0.106:
+unchecked, it would pack and then refuse to start).
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ def _settings(**fields: object) -> EngineSettings:
 
 
 def _run(settings: EngineSettings) -> ReadCheck:
-    """Load the engine (its own read check runs at load and raises ``ReadCheckRefused`` in mode
-    refuse), then free it."""
+    """Load the engine and run its read check (``ReadCheckRefused`` in mode refuse), then free
+    it."""
     from arbiter.engine import Engine
 
     engine = Engine(settings)
     try:
-        return engine.read_check
+        return engine.check_reads()
     finally:
         engine.close()
 

@@ -1,7 +1,7 @@
 """`make mutate`: undo each named fix, run the tests that guard it, expect them to fail, restore.
 
-A test that passes with its fix removed guards nothing (issue 22 found three: JSON Lines' in-band
-path, an SSE test that only hung, a surrogate test that needed both layers gone). Each mutation
+A test that passes with its fix removed guards nothing (an SSE test that only hangs, a surrogate
+test that fails only with both of its layers gone). Each mutation
 below names the fix as the exact text it adds, the text the code would read without it, and the
 tests that must then fail. Mutations run in copies of the tree (two at once by default), so the
 checkout itself is never written.
@@ -157,7 +157,7 @@ MUTATIONS = (
     ),
     Mutation(
         "cancel-between-decodes",
-        "arbiter/engine/llama.py",
+        "arbiter/engine/decoding.py",
         "            if self._interrupt is not None:\n                self._interrupt()\n",
         "",
         (
@@ -258,7 +258,7 @@ MUTATIONS = (
     ),
     Mutation(
         "prefix-copied-once",
-        "arbiter/engine/llama.py",
+        "arbiter/engine/kv_memory.py",
         "            del state[written:]\n        return state\n",
         "            del state[written:]\n        return bytearray(bytes(state))\n",
         (BUDGET + "test_a_saved_prefix_state_is_copied_once",),
@@ -437,7 +437,7 @@ MUTATIONS = (
         "async-unwritten-answer-fails-visibly",
         "emulator/async_answer.py",
         "            if status < 400:\n                return await self.failed(",
-        '            if status < 400:\n                return Outcome("Failed", None) or await self.failed(',
+        '            if status < 400:\n                return InferenceResult("Failed", None) or await self.failed(',
         (
             "tests/emulator/test_async_durable.py::"
             "test_an_answer_that_cannot_be_written_becomes_a_failure_object",
@@ -533,9 +533,10 @@ MUTATIONS = (
     # Issue 29, Batch Transform: bounded memory, the job's timeout, manifests, DataProcessing.
     Mutation(
         "transform-split-none-streamed",
-        "emulator/objects.py",
-        "                    data=body,\n",
-        '                    data=b"".join([c async for c in body]),\n',
+        "emulator/transform_client.py",
+        "self.url, data=body, headers=headers, timeout=self.timeout, skip_auto_headers=INVENTED",
+        'self.url, data=b"".join([c async for c in body]), headers=headers, timeout=self.timeout, '
+        "skip_auto_headers=INVENTED",
         (STREAMING + "test_split_none_payload_0_streams_a_large_object_in_bounded_memory",),
     ),
     Mutation(
@@ -680,9 +681,12 @@ MUTATIONS = (
     Mutation(
         "serve-checks-before-listening",
         "adapter/serve.py",
-        "    check_before_listening(engine_settings)\n    check_files(engine_settings)\n",
-        "    check_files(engine_settings)\n",
-        (REFUSALS + "test_serve_refuses_before_it_listens",),
+        "    files = check_before_listening(engine_settings)\n",
+        "    files = None  # found by the engine as it loads\n",
+        (
+            REFUSALS + "test_serve_refuses_before_it_listens",
+            "tests/test_refusals.py::test_a_refusal_is_one_line_and_status_2[serve, missing adapter]",
+        ),
     ),
     Mutation(
         "entrypoint-checks-the-template",
@@ -994,15 +998,6 @@ MUTATIONS = (
         "    except ArithmeticError as exc:\n        line = refusal(exc)",
         (
             "tests/test_refusals.py::test_a_refusal_is_one_line_and_status_2[submit, no credentials]",
-        ),
-    ),
-    Mutation(
-        "serve-checks-files-first",
-        "adapter/serve.py",
-        "    check_files(engine_settings)\n",
-        "",
-        (
-            "tests/test_refusals.py::test_a_refusal_is_one_line_and_status_2[serve, missing adapter]",
         ),
     ),
     Mutation(
@@ -1515,7 +1510,7 @@ MUTATIONS = (
     Mutation(
         "async-input-limit-enforced",
         "emulator/async_answer.py",
-        "        if size > most:  # documented, and now enforced: before, 1.1 GB was answered",
+        "        if size > most:  # the documented limit: a larger input is refused, not answered",
         "        if False:",
         (
             "tests/emulator/test_async.py::"
@@ -1565,8 +1560,8 @@ MUTATIONS = (
     Mutation(
         "serve-says-its-load-steps",
         "adapter/serve.py",
-        "Engine(engine_settings, progress=progress, cancel=cancel)",
-        "Engine(engine_settings, cancel=cancel)",
+        "open_engine(engine_settings, files=files, progress=progress, cancel=cancel)",
+        "open_engine(engine_settings, files=files, cancel=cancel)",
         (
             "tests/emulator/test_local.py::"
             "test_two_stacks_side_by_side_each_answer_with_their_own_model",

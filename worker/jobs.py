@@ -55,7 +55,8 @@ from worker.s3io import (
 )
 from worker.settings import WorkerSettings
 
-Runner = Callable[..., Awaitable[Any]]
+# Runs a blocking engine call off the event loop: ``await run(fn, *args)`` (``thread_offload``).
+Offload = Callable[..., Awaitable[Any]]
 
 
 class JobFailed(Exception):
@@ -129,7 +130,7 @@ async def raw_chunks(body: Any) -> AsyncIterator[bytes]:
 # -- scoring ---------------------------------------------------------------------------------------
 
 
-def thread_runner(executor: Executor) -> Runner:
+def thread_offload(executor: Executor) -> Offload:
     """Engine calls on ``executor``, log context kept. With one thread, calls queue behind one
     another, so a chunk abandoned mid-computation (its job cancelled) ends before the next starts."""
 
@@ -141,7 +142,7 @@ def thread_runner(executor: Executor) -> Runner:
 
 
 async def _score_isolated(
-    engine: Scorer, requests: list[DecisionRequest], run: Runner, tally: _Tally
+    engine: Scorer, requests: list[DecisionRequest], run: Offload, tally: _Tally
 ) -> list[DecisionResult | ArbiterError]:
     """``engine.score``; if it raises, the batch is split in halves until the decisions that make it
     raise stand alone, and each of those gets an ``engine_failure`` error."""
@@ -167,7 +168,7 @@ async def _score_chunk(
     out: IO[bytes],
     tally: _Tally,
     metrics: Any,
-    run: Runner,
+    run: Offload,
     judge_engine: bool = True,
 ) -> None:
     requests = [item.value for item in chunk if isinstance(item.value, DecisionRequest)]
@@ -204,7 +205,7 @@ async def write_records(
     out: IO[bytes],
     settings: WorkerSettings,
     metrics: Any = None,
-    run: Runner | None = None,
+    run: Offload | None = None,
     judge_engine: bool = True,
     progress: Progress | None = None,
 ) -> _Tally:
@@ -341,7 +342,7 @@ async def run_job(
     ref: JobRef,
     settings: WorkerSettings,
     metrics: Any = None,
-    run: Runner | None = None,
+    run: Offload | None = None,
 ) -> JobReport:
     """Process one input object; idempotent per (key, ETag). Raises :class:`JobFailed` (or a
     botocore error) when it should be retried, :class:`JobRejected` when no retry can help.

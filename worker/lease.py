@@ -8,13 +8,14 @@ case SQS will show the message to another worker, so going on would process the 
 
 Only the 12-hour limit is the job's own fault (it is too large for one message): it counts as a try
 and stops the job. A lease lost to an SQS outage is the queue's (:mod:`worker.faults`) and stops
-nothing (issue 36): renewals that keep failing until the visibility runs out are reported to
-``on_lost`` (the receive is recorded as uncounted, :mod:`worker.uncounted`) and the job goes on to
-write its outcome, through an extension SQS refuses once it answers again (the message was shown to
-another worker meanwhile): the first outcome wins, as for any second delivery (before, every holder
-of a shard longer than the gaps of a flapping outage was stopped, and none finished). Renewals go on
-after a failure run, so a lease whose SQS came back in time is simply kept. An extension refused
-while the lease was healthy (the message deleted by someone else) still stops the job.
+nothing: renewals that keep failing until the visibility runs out are reported to ``on_lost``
+(the receive is recorded as uncounted, :mod:`worker.uncounted`) and the job goes on to write its
+outcome, through an extension SQS refuses once it answers again (the message was shown to another
+worker meanwhile): the first outcome wins, as for any second delivery. Stopping the job instead
+would stop every holder of a shard longer than the gaps of a flapping outage, and none would
+finish. Renewals go on after a failure run, so a lease whose SQS came back in time is simply
+kept. An extension refused while the lease was healthy (the message deleted by someone else) still
+stops the job.
 """
 
 from __future__ import annotations

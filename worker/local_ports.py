@@ -3,10 +3,9 @@
 ``ARBITER_PORT`` (``--port``) is the container's port and the stack's base: the SageMaker runtime
 API listens on base + 1, the S3 + SQS server (moto) on base + 2 and the worker pool's metrics on
 base + 3, and the runtime calls the container this stack started. So a second stack moved with one
-variable shares nothing with the first (before, `ARBITER_PORT=18080` still had the runtime call
-8080's container, and a second pool died on metrics port 9108). A component's own variable
-(``ARBITER_RUNTIME_PORT``, ``ARBITER_METRICS_PORT``, ``ARBITER_LOCAL_MOTO_PORT``) still wins;
-base 0 gives each part a free port of its own.
+variable shares nothing with the first, neither the container its runtime calls nor its pool's
+metrics port. A component's own variable (``ARBITER_RUNTIME_PORT``, ``ARBITER_METRICS_PORT``,
+``ARBITER_LOCAL_MOTO_PORT``) still wins; base 0 gives each part a free port of its own.
 
 Every port is claimed before anything starts: bound, listening and held by `arbiter local` until
 its part takes the socket over (:func:`arbiter.ports.bind` adopts it; moto serves on it in

@@ -1,8 +1,8 @@
 """The local S3 + SQS server's state, kept in a file between runs of `arbiter local`.
 
 Why keep it: everything the stack accepted lives there (a job's input and its queue message, an
-async request's backlog message and its input), so a stop used to drop it silently: the caller
-held a 202 and an ``OutputLocation`` that was never written. A developer who stops a stack and
+async request's backlog message and its input), so a stop that dropped it would leave the caller
+a 202 and an ``OutputLocation`` that is never written. A developer who stops a stack and
 starts it again expects what it accepted to be answered, as a restarted service on AWS would.
 
 How: moto keeps each service's state in plain Python objects (its "backends"), which pickle (moto

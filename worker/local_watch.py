@@ -2,9 +2,9 @@
 
 "Up" means answering, not started: the container's ``/ping`` is 200 (its model loaded and read
 checked), the runtime API answers ``/metrics``, and the worker pool's metrics count every
-process ready (``arbiter_worker_ready``: engine loaded, queue found). Before, "arbiter local is
-up" printed two minutes before anything answered. Meanwhile a line every ``every_s`` says what
-is still loading; the parts' own logs say which step (weights, read check) they are in.
+process ready (``arbiter_worker_ready``: engine loaded, queue found); a started process can take
+minutes to answer. Meanwhile a line every ``every_s`` says what is still loading; the parts' own
+logs say which step (weights, read check) they are in.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ and renewed at half of that while held, so a pool that dies protected is free ag
 time. A refused or failed call is logged and counted, never fatal: an unprotected task still
 drains its message on SIGTERM, so nothing is lost, only repeated.
 
-A protection is bounded (issue 36): ECS does not stop a protected task for a deployment either,
+A protection is bounded: ECS does not stop a protected task for a deployment either,
 and a task busy through a whole backlog would hold a new task definition off until the backlog
 drained (``arbiter deploy`` waits at most an hour). So one busy stretch is protected for at most
 ``window_s`` (``ARBITER_TASK_PROTECTION_WINDOW_MINUTES``, 15); then the protection is cleared and

@@ -29,7 +29,7 @@ from worker.dispatch import Dispatch
 from worker.fanout import FanOut
 from worker.faults import Fault, describe
 from worker.handling import Handler
-from worker.jobs import thread_runner
+from worker.jobs import thread_offload
 from worker.metrics import WorkerMetrics
 from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline
 from worker.replies import QueueInfo, Replies, describe_queue, open_queue
@@ -97,7 +97,7 @@ class Consumer:
             self.tries,
             queue.dlq_url,
             self.metrics,
-            thread_runner(self._engine_thread),
+            thread_offload(self._engine_thread),
         )
         self.dispatch = Dispatch(self.fanout, self.replies, self.metrics, self.tries)
         self.handler = Handler(

@@ -48,8 +48,8 @@ async def open_queue(
 ) -> QueueInfo | None:
     """:func:`describe_queue`, waiting behind the queue's circuit breaker while SQS cannot be
     reached (its probes, ``circuit_probe_s`` doubling to ``circuit_probe_max_s``): a worker
-    started or restarted in an SQS outage waits instead of dying (issue 36: the pool restarted it
-    until its crash-loop limit and exited 1 after 50 s). None if ``stop`` is set first. An answer
+    started or restarted in an SQS outage waits instead of dying (else the pool restarts it until
+    its crash-loop limit and exits 1 within a minute). None if ``stop`` is set first. An answer
     that is no outage (no such queue: a configuration error) is raised at once."""
     found: list[QueueInfo] = []
     fatal: list[BaseException] = []

@@ -24,8 +24,8 @@ count of such receives (:data:`OUTAGES`, for the backoff) and the outage's clock
 message's faults, each gap counted only up to the delay it was given back with plus ``lag_s`` (a
 free worker's longest wait before it receives: a breaker's probe delay and a long poll), and
 :data:`OUTAGE_LAST` when the last one was. A message that waited in a backlog for an hour between
-two 503 bursts has met an outage of seconds, not an hour (issue 36: a wait past
-``ARBITER_MAX_OUTAGE_S`` failed a shard at the next burst on a healthy store). A message failing on
+two 503 bursts has met an outage of seconds, not an hour (counting the wait would fail a shard
+past ``ARBITER_MAX_OUTAGE_S`` at the next burst on a healthy store). A message failing on
 nothing but outages for longer than ``ARBITER_MAX_OUTAGE_S`` is given up, loudly, before SQS's
 retention would drop it silently.
 """
@@ -47,7 +47,7 @@ LAST_LOOK = "ArbiterLastLook"  # a job out of tries, given one more look
 OUTAGES = "ArbiterOutages"  # receives given back for a store, queue or race fault (not counted)
 OUTAGE_S = "ArbiterOutageSeconds"  # the outage's length as the message met it (see the doc)
 OUTAGE_LAST = "ArbiterOutageLast"  # epoch seconds of the message's last store or queue fault
-OUTAGE_SINCE = "ArbiterOutageSince"  # before issue 36: the first fault (read as the last one)
+OUTAGE_SINCE = "ArbiterOutageSince"  # older workers' first fault (read as the last one)
 ATTRIBUTES = [FAILED_RECEIVES, LAST_LOOK, OUTAGES, OUTAGE_S, OUTAGE_LAST, OUTAGE_SINCE]
 
 

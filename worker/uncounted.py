@@ -4,7 +4,7 @@ SQS adds one to a message's ``ApproximateReceiveCount`` whenever it shows the me
 it shows it again whenever its visibility runs out: a lease it could not renew while it was down, a
 copy it could not take (a release), a delete it did not answer. None of those receives was a try
 of the work, yet each one counted, and a receive past the tries fails a shard without running it
-(issue 36: one try, SQS down 12 s, 8 of 12 good lines ``shard_failed``). Holding the message
+(with one try, SQS down 12 s would leave 8 of 12 good lines ``shard_failed``). Holding the message
 until SQS answers cannot fix it, since SQS shows it again on its own clock once the visibility is
 out; so the worker writes down, in S3 (which an SQS outage leaves up), each receive that met a
 queue fault, at the moment it knows: ``<folder>uncounted/<message id>.<receive>``. A receive's

@@ -4,11 +4,15 @@ A decision is read from one forward pass. The prompt is prefilled with logits re
 position only; the logits of the option-letter tokens there, through a softmax, are the probabilities.
 Above 26 options, the options' codes span two tokens: one more decode of the codes' first tokens, as
 branches, gives the second factor of each code's probability (``labels``).
-``Engine`` is the facade every entry point uses: it owns the model's lifetime and the lock that
-serializes every use of the context. The work is done by one module per concern:
+``Engine`` is the facade every entry point uses; ``open_engine`` builds one in two timed steps,
+the load and the read check. The work is done by one module per concern:
 
-- ``llama``: the model and its context through the C API (load, decode, KV cache, save and
-  restore), ``vocabulary``: its tokens (tokenize, token pieces);
+- ``model_files``: the files an engine loads, found and checked without llama.cpp;
+  ``loaded``: the model loaded (its lifetime, its prompts and tokens, the lock that serializes
+  every use of the context); ``read_check``: what the load is checked with before serving;
+- ``llama``: the model and its context through the C API (load, adapters, metadata), with
+  ``decoding`` (decode, logits where read) and ``kv_memory`` (KV cache, save and restore) as its
+  parts; ``vocabulary``: its tokens (tokenize, token pieces);
 - ``preparing``: decisions checked (from bytes first, ``cost``) and tokenized, grouped by state;
 - ``scoring``: the shared prefix, branches, readout, results; ``budget``: what a request may
   spend, and the cancellation of work nobody waits for;
@@ -23,35 +27,27 @@ serializes every use of the context. The work is done by one module per concern:
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from arbiter import prompt as prompts
 from arbiter.engine import multilabel, ordering, read_check, rotation
 from arbiter.engine.budget import Budget
-from arbiter.engine.calibration import Calibration, describe, load_calibration
-from arbiter.engine.cost import CostFloor
+from arbiter.engine.calibration import describe
 from arbiter.engine.finishing import Finisher
-from arbiter.engine.generation import GenerationRequest, generate
-from arbiter.engine.llama import LLAMA_CPP_BUILD, LLAMA_CPP_PYTHON_VERSION, Llama
+from arbiter.engine.generation import generate, request_for
+from arbiter.engine.loaded import LoadedModel, Progress, quiet
+from arbiter.engine.model_files import ModelFiles, check_files
 from arbiter.engine.prefix_cache import PrefixCache
 from arbiter.engine.probabilities import logsumexp
-from arbiter.engine.prompting import open_prompts, reference_prompts
+from arbiter.engine.prompting import reference_prompts
 from arbiter.engine.rotation import DEFAULT_MARGIN, ReadPolicy
-from arbiter.engine.sampler import Grammar
 from arbiter.engine.sampling import Choice, Generation, OnDelta, SamplingParams, TokenLogprob
-from arbiter.engine.scoring import Scoring, context_sequences
-from arbiter.errors import ContextLengthExceeded, InvalidDecision, LoadCancelled
-from arbiter.logging import get_logger
-from arbiter.lora import resolve_adapters, weights_id
-from arbiter.models import BUNDLED_NOTICE, ResolvedModel, require_weights, resolve_model, verify
-from arbiter.profiles import resolve_profile
-from arbiter.schema import AdapterInfo, DecisionRequest, ModelInfo
+from arbiter.engine.scoring import Scoring
+from arbiter.errors import LoadCancelled
+from arbiter.lora import weights_id
+from arbiter.schema import DecisionRequest
 from arbiter.scorer import Outcome
 from arbiter.settings import EngineSettings, engine_from_environment
 
@@ -60,6 +56,7 @@ __all__ = [
     "Choice",
     "Engine",
     "Generation",
+    "ModelFiles",
     "Outcome",
     "SamplingParams",
     "TokenLogprob",
@@ -68,106 +65,52 @@ __all__ = [
 ]
 
 
-log = get_logger("arbiter.engine")
-
-
-Progress = Callable[[str, dict[str, Any]], None]
-
-
-def _quiet(event: str, fields: dict[str, Any]) -> None:
-    return None
-
-
-class Engine:
-    """Scores decisions with one llama.cpp model and context. Thread-safe: calls are serialized."""
+class Engine(LoadedModel):
+    """Scores decisions and generates text with one loaded model. Thread-safe: calls are
+    serialized."""
 
     def __init__(
         self,
         settings: EngineSettings,
-        resolved: ResolvedModel | None = None,
+        files: ModelFiles | None = None,
         progress: Progress | None = None,
         cancel: threading.Event | None = None,
     ) -> None:
-        """``progress`` is told each step of the load as it starts (a server logs them: a 1.5B
-        model's checksum, load and read check take tens of seconds that passed in silence); a
-        command that loads and answers once stays quiet, its refusals one line. ``cancel``, set
-        from another thread, stops the load within a fraction of a second (``LoadCancelled``):
-        a server stopped while it loads does not wait for the load to finish."""
-        say = progress or _quiet
-        self.resolved = resolved or resolve_model(settings.model, settings.model_dir)
-        if self.resolved.source == "bundled":
-            log.warning("bundled_model", notice=BUNDLED_NOTICE)
-        # Checked against the model's tensors before llama.cpp loads anything.
-        self.adapters = resolve_adapters(settings.lora, self.resolved, settings.model_dir)
-        self.profile = resolve_profile(settings.prompt_profile, self.resolved)  # a bad one: at once
-        started = time.perf_counter()
-        say(
-            "model_loading",
-            {
-                "model": self.resolved.path.name,
-                "mb": round(self.resolved.path.stat().st_size / 1e6, 1),
-            },
-        )
-        self.sha256 = verify(self.resolved, cancel)
-        # Serializes everything that uses the context; tokenizing runs outside it (chat prompts
-        # are tokenized in their admission slot) under the model's own lock.
-        self._lock = threading.Lock()
-        self.llama = Llama(self.resolved.path, settings, cancel=cancel)
-        try:
-            llama = self.llama
-            self.bos_text = llama.vocab.piece_text(llama.vocab.bos)  # "" for a model without one
-            self.eos_text = llama.vocab.piece_text(llama.vocab.eos)
-            self.chat_template = llama.chat_template
-            self.prompts = open_prompts(llama, settings, self.profile)
-            self.labels = self.prompts.labels
-            LoadCancelled.check(cancel)
-            llama.open_context(settings, context_sequences(settings, self.labels))
-            LoadCancelled.check(cancel)
-            llama.load_adapters([(a.path, a.scale) for a in self.adapters])
-            head_tokens, tail_tokens = self.prompts.fewest_around()
-            self.cost = CostFloor(
-                n_ctx=llama.n_ctx,
-                max_piece=llama.vocab.max_piece_bytes(),
-                head_tokens=head_tokens,
-                tail_tokens=tail_tokens,
-            )
-            self.model_info = self._model_info(settings)
-            self.calibration = load_calibration(
-                settings, self.sha256, self.resolved, self.profile.sha256
-            )
-            say("model_weights_loaded", {"seconds": round(time.perf_counter() - started, 2)})
-            LoadCancelled.check(cancel)
-        except BaseException:
-            self.llama.close()  # a model refused part-way through loading frees what it had
-            raise
-        self.settings = settings  # read at each call: a replaced one takes effect at once
+        """Load ``files`` (``LoadedModel``; ``cancel`` stops the load, and the read check that
+        follows it); the read check is a step of its own (:meth:`check_reads`; ``open_engine``
+        runs both)."""
+        super().__init__(settings, files, progress, cancel)
+        self._load_cancel = cancel
         self.cache = PrefixCache(int(settings.prefix_cache_mb * 1024 * 1024))
         self._scoring = Scoring(
-            llama,
+            self.llama,
             self.prompts,
             self.labels,
             weights_id(self.sha256, self.adapters),
             self.model_info,
             self.cost,
         )
-        try:  # the probes read where every decision is read, through the same path
-            say("read_check_started", {"mode": settings.read_check})
-            self.read_check = read_check.run(
-                self.resolved.path.name,
-                self._probing(settings, cancel),
-                settings.read_check,
-                settings.read_check_min_mass,
-                settings.read_check_min_ratio,
-            )
-        except BaseException:
-            self.llama.close()
-            raise
+        self.read_check: read_check.ReadCheck | None = None  # measured by check_reads
+
+    def check_reads(self, progress: Progress | None = None) -> read_check.ReadCheck:
+        """The read check (``read_check``), timed: probes scored where every decision is read,
+        through the same path, their label mass judged; ``ReadCheckRefused`` in mode ``refuse``.
+        The caller closes an engine it refuses (``open_engine`` does). Once it has run, the
+        load's cancel no longer stops a decode (``Llama.loaded``)."""
+        settings = self.settings
+        (progress or quiet)("read_check_started", {"mode": settings.read_check})
+        self.read_check = read_check.run(
+            self.resolved.path.name,
+            self._probing(self._load_cancel),
+            settings.read_check,
+            settings.read_check_min_mass,
+            settings.read_check_min_ratio,
+        )
         self.llama.loaded()
         self.cache.clear()  # the probes' state is nobody's
+        return self.read_check
 
-    def _probing(
-        self, settings: EngineSettings, cancel: threading.Event | None
-    ) -> read_check.Probing:
+    def _probing(self, cancel: threading.Event | None) -> read_check.Probing:
         """The read check's ways to score: the served path, and the plain built-in prompt on the
         same weights as its reference (none where the served prompt is that one). Probes the
         load's cancel cut short raise ``LoadCancelled``: no verdict on the model."""
@@ -206,99 +149,9 @@ class Engine:
         return [(self.piece(int(t)), float(probabilities[t])) for t in top]
 
     @property
-    def n_ctx(self) -> int:
-        return self.llama.n_ctx
-
-    @property
-    def n_vocab(self) -> int:
-        return self.llama.n_vocab
-
-    @property
-    def layout(self) -> prompts.PromptLayout:
-        return self.prompts.layout
-
-    @property
     def seconds_per_token(self) -> float | None:
         """Measured decode speed (a moving average; None before the first decision)."""
         return self._scoring.speed.seconds_per_token
-
-    def _model_info(self, settings: EngineSettings) -> ModelInfo:
-        return ModelInfo(
-            file=self.resolved.path.name,
-            bytes=self.resolved.path.stat().st_size,
-            sha256=self.sha256,
-            architecture=self.llama.meta("general.architecture") or "unknown",
-            quantization=self.llama.quantization(),
-            description=self.llama.description(),
-            context_tokens=self.llama.n_ctx,
-            threads=settings.n_threads,
-            n_gpu_layers=settings.n_gpu_layers,
-            chat_template=self.prompts.layout.chat,
-            llama_cpp_python_version=LLAMA_CPP_PYTHON_VERSION,
-            llama_cpp_build=LLAMA_CPP_BUILD,
-            prompt_profile=self.profile.name,
-            prompt_profile_sha256=self.profile.sha256,
-            adapters=[
-                AdapterInfo(file=a.path.name, bytes=a.bytes, sha256=a.sha256, scale=a.scale)
-                for a in self.adapters
-            ],
-        )
-
-    # -- lifetime ----------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Free the context and model once no call is using them; later calls get EngineFailure."""
-        with self._lock:
-            self.llama.close()
-
-    @contextmanager
-    def session(self) -> Iterator[Llama]:
-        """The context, held exclusively, its KV cache empty on entry and emptied on exit (for
-        generation and for measurements that decode on it directly)."""
-        with self._lock:
-            self.llama.check_open()
-            with self.llama.kv_cleared():
-                yield self.llama
-
-    # -- tokens ------------------------------------------------------------------------------------
-
-    def tokenize_content(self, text: str) -> np.ndarray:
-        """Tokens of caller-written text: special-token text stays plain text."""
-        return self.llama.vocab.tokenize(text, special=False)
-
-    def piece(self, token: int) -> str:
-        """The text of one token ("" for an id outside the vocabulary, e.g. a missing BOS)."""
-        return self.llama.vocab.piece_text(token)
-
-    def is_control(self, token: int) -> bool:
-        return self.llama.vocab.is_control(token)
-
-    def prompt_tokens(self, request: DecisionRequest) -> np.ndarray:
-        """The full prompt of one decision, as scored."""
-        return self.prompts.tokens(self.prompts.render(request))
-
-    def render_text(self, request: DecisionRequest) -> str:
-        return self.prompts.text(request)
-
-    def encode_segments(self, segments: Sequence[tuple[str, bool]]) -> np.ndarray:
-        """Tokens of a rendered chat prompt given as (text, is_template) pieces, in order.
-
-        Template text is tokenized with special-token parsing; caller text without it, so a
-        message can never inject a control token. Each piece after the first is tokenized where
-        it follows the one before (``Vocabulary.tokenize``'s ``after``: no space prefix of its own).
-        BOS is added if the model wants one and the template did not write it.
-        """
-        llama = self.llama
-        parts: list[np.ndarray] = []
-        after: int | None = None
-        for text, special in segments:
-            if text:
-                parts.append(llama.vocab.tokenize(text, special=special, after=after))
-                after = int(parts[-1][-1]) if len(parts[-1]) else after
-        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-        if llama.vocab.add_bos and (len(tokens) == 0 or tokens[0] != llama.vocab.bos):
-            tokens = np.concatenate([np.array([llama.vocab.bos], dtype=np.int32), tokens])
-        return tokens.astype(np.int32)
 
     # -- decisions ---------------------------------------------------------------------------------
 
@@ -389,74 +242,38 @@ class Engine:
         two decodes (its client went away, or its time is spent). Blocking; serialized with
         scoring.
         """
-        sampling = sampling or SamplingParams()
-        if not 1 <= n <= self.llama.n_seq_max:
-            raise InvalidDecision(
-                f"n is {n}; this context generates 1 to {self.llama.n_seq_max} choices",
-                param="n",
-                code="invalid_field",
-            )
-        if len(tokens) >= self.n_ctx:
-            raise ContextLengthExceeded(
-                f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx} tokens",
-                param="messages",
-            )
-        # The choices share the prompt's cells; each needs its own for what it generates.
-        limit = min(max_tokens, (self.n_ctx - len(tokens)) // n)
-        if limit < 1:
-            raise ContextLengthExceeded(
-                f"the prompt is {len(tokens)} tokens; {n} choices need at least {n} more and the "
-                f"context holds {self.n_ctx} tokens",
-                param="n",
-            )
-        request = GenerationRequest(limit, sampling, tuple(stop), n, top_logprobs)
+        request = request_for(
+            len(tokens), self.llama, max_tokens, sampling or SamplingParams(), stop, n, top_logprobs
+        )
         check = budget.interrupt if budget is not None else None
         with self.session() as llama, llama.interruptible(check):
             if budget is not None:
                 budget.start()
-            grammar = None
-            if sampling.grammar is not None:
-                with llama.vocab.vocabulary() as vocab:
-                    grammar = Grammar(vocab, sampling.grammar)
-            try:
-                return generate(llama, tokens, request, grammar, on_delta)
-            finally:
-                if grammar is not None:
-                    grammar.close()
-
-    def check_grammar(self, text: str, param: str = "grammar") -> None:
-        """Raise ``InvalidGrammar`` (naming ``param``) for a GBNF grammar llama.cpp cannot use;
-        callers check before a response starts, so a bad grammar is a 4xx, never a broken
-        stream. Needs the vocabulary only: runs outside the engine lock."""
-        with self.llama.vocab.vocabulary() as vocab:
-            Grammar(vocab, text, param=param).close()
-
-
-def check_files(settings: EngineSettings) -> ResolvedModel:
-    """What loading an engine of ``settings`` would refuse about its files (the model, its
-    adapters, its prompt profile, its calibration), found without llama.cpp: a server checks
-    before it binds its port, a pool before it spawns its workers."""
-    resolved = resolve_model(settings.model, settings.model_dir)
-    require_weights(resolved.path)
-    resolve_adapters(settings.lora, resolved, settings.model_dir)
-    resolve_profile(settings.prompt_profile, resolved)
-    if settings.calibration is not None:
-        Calibration.load(settings.calibration)
-    return resolved
+            return generate(llama, tokens, request, on_delta)
 
 
 def open_engine(
     settings: EngineSettings | None = None,
     model: Path | None = None,
     profile: str | None = None,
+    *,
+    files: ModelFiles | None = None,
+    progress: Progress | None = None,
     cancel: threading.Event | None = None,
 ) -> Engine:
-    """Build an engine from the environment as ``arbiter serve`` reads it (``SM_LLAMA_CPP_*``
-    below ``ARBITER_*``), or from the given settings, optionally forcing a model or a profile;
-    ``cancel`` stops its load (``Engine``)."""
+    """An engine loaded and read-checked, as every entry point serves one: from the environment
+    as ``arbiter serve`` reads it (``SM_LLAMA_CPP_*`` below ``ARBITER_*``), or from the given
+    settings, optionally forcing a model or a profile; ``files``: the ones already checked;
+    ``cancel`` stops the load and its read check (``Engine``)."""
     settings = settings or engine_from_environment()
     if model is not None:
         settings = settings.model_copy(update={"model": model})
     if profile is not None:
         settings = settings.model_copy(update={"prompt_profile": profile})
-    return Engine(settings, cancel=cancel)
+    engine = Engine(settings, files, progress, cancel)
+    try:
+        engine.check_reads(progress)
+    except BaseException:
+        engine.close()  # a refused model frees what it loaded
+        raise
+    return engine

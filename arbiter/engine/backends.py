@@ -13,7 +13,7 @@ The registry that matters is the one in the ``libggml`` that ``libllama`` is lin
 ggml functions are looked up through ``libllama``'s own handle. pip installs ``libggml.so``,
 ``libggml.so.0`` and ``libggml.so.0.x.y`` as three separate *copies* (a wheel holds no symlinks):
 opening ``libggml.so`` by file name maps a second ggml with a registry of its own, where backends
-registered are never seen by ``libllama`` (issue 12: the image built, then no model loaded).
+registered are never seen by ``libllama`` (the image builds, then no model loads).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 No token covers more bytes than the vocabulary's longest piece (``max_piece``, measured at load), so
 ``n`` bytes of text are at least ``ceil(n / max_piece)`` tokens. A decision or chat prompt whose floor
-is over the context cannot fit and is refused in microseconds (a 5 MB state used to cost 10 s of
-engine time: tokenized whole, then field by field, to say so), and a request's floor, summed, is
+is over the context cannot fit and is refused in microseconds (tokenizing a 5 MB state whole, then
+field by field, to say so would cost 10 s of engine time), and a request's floor, summed, is
 checked against its token budget before it is admitted.
 
 The floor holds for tokenizers that never drop input bytes: SentencePiece and byte-level BPE (every

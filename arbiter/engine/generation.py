@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,7 @@ from arbiter.engine.sampling import (
     TopLogprob,
     token_logprobs,
 )
+from arbiter.errors import ContextLengthExceeded, InvalidDecision
 
 
 @dataclass(frozen=True)
@@ -57,16 +59,64 @@ class _Choice:
     cut: bool = False
 
 
+def request_for(
+    prompt_tokens: int,
+    llama: Llama,
+    max_tokens: int,
+    sampling: SamplingParams,
+    stop: Sequence[str],
+    n: int,
+    top_logprobs: int | None,
+) -> GenerationRequest:
+    """What a generation of ``n`` choices after a prompt of ``prompt_tokens`` may spend in
+    ``llama``'s context, or the typed error naming the parameter that does not fit (checked
+    before anything is decoded)."""
+    if not 1 <= n <= llama.n_seq_max:
+        raise InvalidDecision(
+            f"n is {n}; this context generates 1 to {llama.n_seq_max} choices",
+            param="n",
+            code="invalid_field",
+        )
+    n_ctx = llama.n_ctx
+    if prompt_tokens >= n_ctx:
+        raise ContextLengthExceeded(
+            f"the prompt is {prompt_tokens} tokens; the context holds {n_ctx} tokens",
+            param="messages",
+        )
+    # The choices share the prompt's cells; each needs its own for what it generates.
+    limit = min(max_tokens, (n_ctx - prompt_tokens) // n)
+    if limit < 1:
+        raise ContextLengthExceeded(
+            f"the prompt is {prompt_tokens} tokens; {n} choices need at least {n} more and the "
+            f"context holds {n_ctx} tokens",
+            param="n",
+        )
+    return GenerationRequest(limit, sampling, tuple(stop), n, top_logprobs)
+
+
 def generate(
+    llama: Llama, tokens: np.ndarray, request: GenerationRequest, on_delta: OnDelta | None
+) -> Generation:
+    """Up to ``request.budget`` tokens per choice after ``tokens`` (sequence 0 of an empty KV
+    cache, held by the caller; choice i decodes into sequence i), under the request's grammar if
+    it has one. ``on_delta`` returning False stops every choice (finish reason ``cancelled``)."""
+    if request.sampling.grammar is None:
+        return _generate(llama, tokens, request, None, on_delta)
+    with llama.vocab.vocabulary() as vocab:
+        grammar = Grammar(vocab, request.sampling.grammar)
+    try:
+        return _generate(llama, tokens, request, grammar, on_delta)
+    finally:
+        grammar.close()
+
+
+def _generate(
     llama: Llama,
     tokens: np.ndarray,
     request: GenerationRequest,
     grammar: Grammar | None,
     on_delta: OnDelta | None,
 ) -> Generation:
-    """Up to ``request.budget`` tokens per choice after ``tokens`` (sequence 0 of an empty KV
-    cache, held by the caller; choice i decodes into sequence i). ``on_delta`` returning False
-    stops every choice (finish reason ``cancelled``)."""
     started = time.perf_counter()
     row = llama.last_logits(tokens, 0)
     prefill_s = time.perf_counter() - started

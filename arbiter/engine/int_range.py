@@ -8,8 +8,8 @@ alternatives of digit classes (``12`` to ``345``: ``1 [2-9] | [2-9] [0-9] | [1-2
 them as a grammar and as a Python pattern (the tests check the grammar's language through it).
 
 A side left open is capped at ``MAX_DIGITS`` digits, as llama.cpp caps a plain integer
-(``[1-9] [0-9]{0,15}``): ``{m,}`` let one sample run to ``max_tokens`` (invalid JSON) and others
-write 17-digit values (issue 35). A bound with more digits than that keeps its own count.
+(``[1-9] [0-9]{0,15}``): an unbounded ``{m,}`` lets a sample run to ``max_tokens`` (invalid
+JSON) or write 17-digit values. A bound with more digits than that keeps its own count.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ exclusive ones: ``int_range``); numbers, booleans and null without bounds.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from arbiter.engine import int_range
@@ -67,6 +67,9 @@ def check_schema(schema: Any, param: str) -> None:
 
 
 class _Checker:
+    """Walks a schema (references, unions, objects, arrays), refusing what the grammar would not
+    enforce; the leaf constraints are ``_constants``, ``_integer`` and ``_string``."""
+
     def __init__(self, root: Any, param: str) -> None:
         self.root = root
         self.param = param
@@ -94,7 +97,8 @@ class _Checker:
             if not types or len(names) != len(types) or not names <= TYPES:
                 raise self.refuse(path, f"type must list distinct names of {sorted(TYPES)}")
         elif "const" in node or "enum" in node:
-            self._constants(node, path)
+            self._only(node, path, {"type", "const", "enum"})
+            _constants(node, path, self.refuse)
         elif "allOf" in node:
             self._all_of(node, path)
         else:
@@ -171,17 +175,6 @@ class _Checker:
             node = target
         return node if isinstance(node, Mapping) else {}
 
-    def _constants(self, node: Mapping[str, Any], path: str) -> None:
-        self._only(node, path, {"type", "const", "enum"})
-        if "const" in node and "enum" in node:
-            raise self.refuse(path, "const and enum together are not supported")
-        values = [node["const"]] if "const" in node else node["enum"]
-        if not isinstance(values, list) or not values:
-            raise self.refuse(path, "enum must be a non-empty list")
-        kind = node.get("type")
-        if kind is not None and not all(_is_type(v, kind) for v in values):
-            raise self.refuse(path, f"a const or enum value is not of type {kind!r}")
-
     def _all_of(self, node: Mapping[str, Any], path: str) -> None:
         self._only(node, path, {"allOf", "type"})
         if node.get("type", "object") != "object" or not isinstance(node["allOf"], list):
@@ -214,25 +207,14 @@ class _Checker:
             self._array(node, path)
         elif kind == "string":
             self._only(node, path, _STRING)
-            self._string(node, path)
+            _string(node, path, self.refuse)
         elif kind is None and keys & _STRING:
             raise self.refuse(path, f"{sorted(keys & _STRING)[0]!r} needs type 'string'")
         elif kind == "integer":
             self._only(node, path, _INTEGER)
-            self._integer(node, path)
+            _integer(node, path, self.refuse)
         else:
             self._only(node, path, {"type"})
-
-    def _integer(self, node: Mapping[str, Any], path: str) -> None:
-        for key in sorted((_INTEGER - {"type"}) & set(node)):
-            value = node[key]
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise self.refuse(f"{path}/{key}", f"{key} must be a number")
-            if not abs(value) <= MAX_BOUND:
-                raise self.refuse(f"{path}/{key}", f"{key} must be within ±{MAX_BOUND:.0e}")
-        low, high = int_range.bounds(dict(node))
-        if low is not None and high is not None and low > high:
-            raise self.refuse(path, f"no integer is at least {low} and at most {high}")
 
     def _object(self, node: Mapping[str, Any], path: str) -> None:
         properties = node.get("properties", {})
@@ -255,7 +237,10 @@ class _Checker:
     def _array(self, node: Mapping[str, Any], path: str) -> None:
         if node.get("uniqueItems", False) is not False:
             raise self.refuse(path, "uniqueItems is not supported")
-        low, high = _count(self, node, "minItems", path), _count(self, node, "maxItems", path)
+        low, high = (
+            _count(self.refuse, node, "minItems", path),
+            _count(self.refuse, node, "maxItems", path),
+        )
         # prefixItems, or the tuple form of items (a list, before draft 2020-12): exactly those.
         tuple_key = "prefixItems" if "prefixItems" in node else "items"
         if tuple_key == "prefixItems" or isinstance(node.get("items"), list):
@@ -276,36 +261,60 @@ class _Checker:
         elif low is not None or high is not None:
             raise self.refuse(path, "minItems/maxItems need items")
 
-    def _string(self, node: Mapping[str, Any], path: str) -> None:
-        low, high = _count(self, node, "minLength", path), _count(self, node, "maxLength", path)
-        if "pattern" in node:
-            if not isinstance(node["pattern"], str):
-                raise self.refuse(path, "pattern must be a string")
-            if {"format", "minLength", "maxLength"} & set(node):
-                raise self.refuse(
-                    path, "pattern with format, minLength or maxLength is not supported"
-                )
-            try:
-                pattern_gbnf(node["pattern"])
-            except PatternError as exc:
-                raise self.refuse(path, f"pattern {node['pattern']!r}: {exc}") from None
-        if "format" in node:
-            if not isinstance(node["format"], str) or node["format"] not in FORMATS:
-                raise self.refuse(
-                    path, f"format {node['format']!r} is not one of {sorted(FORMATS)}"
-                )
-            if low is not None or high is not None:
-                raise self.refuse(path, "format with minLength/maxLength is not supported")
-        if low is not None and high is not None and low > high:
-            raise self.refuse(path, "minLength is above maxLength")
+
+# The leaf checks (constants, integer bounds, strings) refuse through the walk's ``refuse``.
+Refuse = Callable[[str, str], UnsupportedParameter]
 
 
-def _count(checker: _Checker, node: Mapping[str, Any], key: str, path: str) -> int | None:
+def _constants(node: Mapping[str, Any], path: str, refuse: Refuse) -> None:
+    if "const" in node and "enum" in node:
+        raise refuse(path, "const and enum together are not supported")
+    values = [node["const"]] if "const" in node else node["enum"]
+    if not isinstance(values, list) or not values:
+        raise refuse(path, "enum must be a non-empty list")
+    kind = node.get("type")
+    if kind is not None and not all(_is_type(v, kind) for v in values):
+        raise refuse(path, f"a const or enum value is not of type {kind!r}")
+
+
+def _integer(node: Mapping[str, Any], path: str, refuse: Refuse) -> None:
+    for key in sorted((_INTEGER - {"type"}) & set(node)):
+        value = node[key]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise refuse(f"{path}/{key}", f"{key} must be a number")
+        if not abs(value) <= MAX_BOUND:
+            raise refuse(f"{path}/{key}", f"{key} must be within ±{MAX_BOUND:.0e}")
+    low, high = int_range.bounds(dict(node))
+    if low is not None and high is not None and low > high:
+        raise refuse(path, f"no integer is at least {low} and at most {high}")
+
+
+def _string(node: Mapping[str, Any], path: str, refuse: Refuse) -> None:
+    low, high = _count(refuse, node, "minLength", path), _count(refuse, node, "maxLength", path)
+    if "pattern" in node:
+        if not isinstance(node["pattern"], str):
+            raise refuse(path, "pattern must be a string")
+        if {"format", "minLength", "maxLength"} & set(node):
+            raise refuse(path, "pattern with format, minLength or maxLength is not supported")
+        try:
+            pattern_gbnf(node["pattern"])
+        except PatternError as exc:
+            raise refuse(path, f"pattern {node['pattern']!r}: {exc}") from None
+    if "format" in node:
+        if not isinstance(node["format"], str) or node["format"] not in FORMATS:
+            raise refuse(path, f"format {node['format']!r} is not one of {sorted(FORMATS)}")
+        if low is not None or high is not None:
+            raise refuse(path, "format with minLength/maxLength is not supported")
+    if low is not None and high is not None and low > high:
+        raise refuse(path, "minLength is above maxLength")
+
+
+def _count(refuse: Refuse, node: Mapping[str, Any], key: str, path: str) -> int | None:
     value = node.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
-        raise checker.refuse(path, f"{key} must be an integer from 0 to {MAX_COUNT}")
+        raise refuse(path, f"{key} must be an integer from 0 to {MAX_COUNT}")
     return value
 
 

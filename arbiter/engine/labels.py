@@ -5,8 +5,8 @@ token that round-trips through the vocabulary, in each spelling kept (``A`` and 
 predict either); a spelling is kept only if all 26 letters pass and stay distinct. Labels are
 tokenized as the model writes them after the prompt's text (``Vocabulary.continued``): under a
 SentencePiece space prefix (Llama 2, Mistral v0.1-v0.3, Phi-3, Baichuan) ``A`` alone is ``▁A`` and
-`` A`` is ``▁``, ``▁A``, which refused every such model at load (issue 35). An option's logit is
-the log-sum-exp of its letter's kept spellings, the same way for every option.
+`` A`` is ``▁``, ``▁A``: tokenized alone, no spelling would pass for such a model. An option's
+logit is the log-sum-exp of its letter's kept spellings, the same way for every option.
 
 From 27 to ``MAX_OPTIONS`` options, every option gets a **code** of a fixed number of characters
 (``A0`` ... ``Z9``; see ``CANDIDATES``). A code spans several tokens, so its probability is read by the
@@ -290,7 +290,7 @@ class Labels:
         """The labels of this model's vocabulary; ``LabelVocabularyError`` when none are usable."""
         return cls.from_vocabulary(
             # As the model writes a label after the prompt's text: under a space prefix
-            # (SentencePiece), "A" alone is "▁A" and " A" is "▁", "▁A" (issue 35).
+            # (SentencePiece), "A" alone is "▁A" and " A" is "▁", "▁A".
             lambda text: llama.vocab.continued(text, special=False).tolist(),
             lambda token: llama.vocab.piece_bytes(token, special=True),
             llama.path.name,

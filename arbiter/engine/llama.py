@@ -1,4 +1,7 @@
-"""One llama.cpp model and context through the C API: every ctypes call the engine makes is here.
+"""One llama.cpp model and context through the C API: the model loaded, its context opened, its
+LoRA adapters applied, its metadata read. ``Llama`` is also where the engine decodes
+(``decoding``) and keeps its KV cells (``kv_memory``); with ``vocabulary``, these modules hold every
+ctypes call the engine makes.
 
 Logits are requested only at the positions that are read (``want``), never for every token, and the
 context is sized for that: ``n_outputs_max`` rows of logits instead of ``n_batch``. Batches are filled
@@ -17,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
-import numpy as np
 
 from arbiter.engine import backends
 from arbiter.engine.batch import NumpyBatch
+from arbiter.engine.decoding import Decoding
+from arbiter.engine.kv_memory import KVMemory
 from arbiter.engine.vocabulary import Vocabulary
 from arbiter.errors import EngineFailure, LoadCancelled, ModelLoadError
 from arbiter.gguf_info import FILE_TYPES
@@ -32,10 +36,6 @@ LLAMA_CPP_PYTHON_VERSION: str = getattr(llama_cpp, "__version__", "unknown")
 LLAMA_CPP_BUILD = {"0.3.36": "ggml-org/llama.cpp@0c1e57098"}.get(
     LLAMA_CPP_PYTHON_VERSION, "unknown"
 )
-
-# Called with (position in the decoded stream, index in its slice) for each position whose logits
-# were asked for, right after the slice that computed them, while they are readable.
-OnOutput = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class ContextShape:
     outputs: int | None = None  # rows of logits; at least one per sequence (llama.cpp's rule)
 
 
-class Llama:
+class Llama(Decoding, KVMemory):
     """A loaded model and its context (:meth:`open_context`). Not thread-safe for decoding: the
     engine serializes that; tokenizing and token texts take a lock of their own, so :meth:`close`
     never frees the vocabulary under a running call."""
@@ -246,126 +246,3 @@ class Llama:
         k = int(self.meta(f"{arch}.attention.key_length") or n_embd // n_head)
         v = int(self.meta(f"{arch}.attention.value_length") or n_embd // n_head)
         return n_layer * self.n_ctx * n_head_kv * (k + v) * 2
-
-    # -- the KV cache ------------------------------------------------------------------------------
-
-    def clear(self) -> None:
-        # Only the cells' metadata: zeroing the whole KV buffer (data=True) cost ~3% of a
-        # decision and nothing reads a cell that was not written again.
-        llama_cpp.llama_memory_clear(self._mem, False)
-
-    @contextmanager
-    def kv_cleared(self) -> Iterator[None]:
-        """The KV cache empty when the block starts and emptied when it ends, however it ends."""
-        self.clear()
-        try:
-            yield
-        finally:
-            self.clear()
-
-    def copy_sequence(self, source: int, target: int) -> None:
-        """Sequence ``target`` shares ``source``'s cells (a branch of a prefilled prefix)."""
-        llama_cpp.llama_memory_seq_cp(self._mem, source, target, -1, -1)
-
-    def remove(self, seq: int, start: int = -1, end: int = -1) -> bool:
-        """Drop positions ``[start, end)`` of sequence ``seq`` (-1: open-ended); False when the
-        memory cannot drop part of a sequence (a recurrent model's)."""
-        return bool(llama_cpp.llama_memory_seq_rm(self._mem, seq, start, end))
-
-    def save(self, limit: int) -> bytearray | None:
-        """Sequence 0's state, copied once (llama.cpp writes it straight into the buffer that is
-        kept); None when it is over ``limit`` bytes (not copied)."""
-        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, 0))
-        if size > limit:
-            return None
-        state = bytearray(size)
-        view = (ctypes.c_uint8 * size).from_buffer(state)
-        written = int(llama_cpp.llama_state_seq_get_data(self._ctx, view, size, 0))
-        del view  # the export ends, so the buffer may shrink in place
-        if written < size:
-            del state[written:]
-        return state
-
-    def restore(self, state: bytes | bytearray) -> bool:
-        """Sequence 0 from a saved state; False when llama.cpp refuses it (part may be written)."""
-        # llama.cpp only reads the buffer: pass the object's own memory, no copy.
-        if isinstance(state, bytearray):
-            buf: Any = (ctypes.c_uint8 * len(state)).from_buffer(state)
-        else:
-            buf = ctypes.cast(ctypes.c_char_p(state), ctypes.POINTER(ctypes.c_uint8))
-        return bool(llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(state), 0))
-
-    # -- decoding ----------------------------------------------------------------------------------
-
-    @contextmanager
-    def interruptible(self, check: Callable[[], None] | None) -> Iterator[None]:
-        """``check`` runs before every ``llama_decode`` call in the block (never inside one: a
-        call cannot be stopped); whatever it raises ends the decode there. The caller holds the
-        lock that serializes decoding, so one check is active at a time."""
-        self._interrupt = check
-        try:
-            yield
-        finally:
-            self._interrupt = None
-
-    def decode(
-        self,
-        tokens: np.ndarray,
-        pos: np.ndarray,
-        seqs: np.ndarray,
-        want: np.ndarray,
-        on_output: OnOutput | None = None,
-    ) -> None:
-        """Decode a token stream in n_batch slices, logits only where ``want`` is set."""
-        n = len(tokens)
-        for start in range(0, n, self.n_batch):
-            stop = min(n, start + self.n_batch)
-            outputs = int(np.count_nonzero(want[start:stop]))
-            if outputs > self.n_outputs_max:
-                raise EngineFailure(
-                    f"a decode slice asks for {outputs} outputs; the context holds "
-                    f"{self.n_outputs_max} (one per sequence)"
-                )
-            if self._interrupt is not None:
-                self._interrupt()
-            self._batch.fill(
-                tokens[start:stop], pos[start:stop], seqs[start:stop], want[start:stop]
-            )
-            with self._cancellable():  # rc 2: aborted by the load's cancel
-                rc = llama_cpp.llama_decode(self._ctx, self._batch.struct)
-            if rc != 0:
-                raise EngineFailure(f"llama_decode failed with status {rc}")
-            if on_output is not None:
-                for offset in np.flatnonzero(want[start:stop]).tolist():
-                    on_output(start + offset, offset)
-
-    def prefill(self, tokens: np.ndarray) -> None:
-        """Decode ``tokens`` into sequence 0 from position 0, reading no logits."""
-        n = len(tokens)
-        self.decode(
-            tokens, np.arange(n, dtype=np.int32), np.zeros(n, np.int32), np.zeros(n, np.int8)
-        )
-
-    def logits(self, batch_index: int) -> np.ndarray:
-        """The full-vocabulary logits at ``batch_index`` of the last slice: a view into llama.cpp's
-        buffer, valid until the next decode."""
-        ptr = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
-        if not ptr:
-            raise EngineFailure("llama.cpp returned no logits for a requested position")
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
-
-    def last_logits(self, tokens: np.ndarray, start: int) -> np.ndarray:
-        """Decode ``tokens`` into sequence 0 from position ``start``; the logits at the last one
-        (a float64 copy)."""
-        n = len(tokens)
-        want = np.zeros(n, dtype=np.int8)
-        want[-1] = 1
-        out: list[np.ndarray] = []
-
-        def keep(_: int, batch_index: int) -> None:
-            out.append(self.logits(batch_index).astype(np.float64))
-
-        self.decode(
-            tokens, np.arange(start, start + n, dtype=np.int32), np.zeros(n, np.int32), want, keep
-        )
-        return out[0]

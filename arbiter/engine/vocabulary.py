@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -88,6 +88,25 @@ class Vocabulary:
             if np.array_equal(both[: len(own)], own):
                 return both[len(own) :]
         return self._tokens(text, special)
+
+    def encode_segments(self, segments: Sequence[tuple[str, bool]]) -> np.ndarray:
+        """Tokens of a rendered chat prompt given as (text, is_template) pieces, in order.
+
+        Template text is tokenized with special-token parsing; caller text without it, so a
+        message can never inject a control token. Each piece after the first is tokenized where
+        it follows the one before (:meth:`tokenize`'s ``after``: no space prefix of its own).
+        BOS is added if the model wants one and the template did not write it.
+        """
+        parts: list[np.ndarray] = []
+        after: int | None = None
+        for text, special in segments:
+            if text:
+                parts.append(self.tokenize(text, special=special, after=after))
+                after = int(parts[-1][-1]) if len(parts[-1]) else after
+        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        if self.add_bos and (len(tokens) == 0 or tokens[0] != self.bos):
+            tokens = np.concatenate([np.array([self.bos], dtype=np.int32), tokens])
+        return tokens.astype(np.int32)
 
     def opens_text(self, token: int) -> bool:
         """Whether llama.cpp starts a new text after ``token`` (a special token: the space

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from adapter.app import create_app
-from arbiter.engine import Engine
+from arbiter.engine import Engine, open_engine
 from arbiter.models import sha256_file, smollm2_path
 from arbiter.settings import EngineSettings, ServerSettings
 from bench.lora_adapter import write_lora
@@ -105,7 +105,7 @@ def adapted(smollm2: Path, files: dict[str, Path]) -> Iterator[Engine]:
         prompt_profile=str(files["profile"]),
         read_check="warn",  # a random adapter and a profile it was not trained on
     )
-    eng = Engine(settings)
+    eng = open_engine(settings)
     yield eng
     eng.close()
 

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from arbiter.engine import Budget, Engine, SamplingParams
+from arbiter.engine import Budget, Engine, SamplingParams, open_engine
 from arbiter.engine import llama as llama_module
 from arbiter.errors import (
     ContextLengthExceeded,
@@ -308,7 +308,7 @@ def test_a_saved_prefix_state_is_copied_once(engine: Engine) -> None:
 def small(default_gguf: Any) -> Any:
     from arbiter.settings import EngineSettings
 
-    eng = Engine(EngineSettings(model=default_gguf, n_ctx=256, n_threads=TEST_THREADS))
+    eng = open_engine(EngineSettings(model=default_gguf, n_ctx=256, n_threads=TEST_THREADS))
     yield eng
     eng.close()
 

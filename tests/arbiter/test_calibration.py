@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arbiter.engine import Engine
+from arbiter.engine import Engine, open_engine
 from arbiter.engine import calibration as cal
 from arbiter.engine.abstention import Abstention
 from arbiter.engine.rotation import Read, ReadPolicy, canonical, rounds
@@ -107,7 +107,7 @@ def test_engine_applies_calibration(engine: Engine, tmp_path: Path) -> None:
     T wins; the prior corrects each read by position."""
     prior = {3: np.log(np.array([0.6, 0.3, 0.1]))}
     path = _calibration(engine.sha256, engine.profile.sha256, prior=prior).save(tmp_path / "c.json")
-    calibrated = Engine(engine.settings.model_copy(update={"calibration": path}))
+    calibrated = open_engine(engine.settings.model_copy(update={"calibration": path}))
     try:
         single = {"order_samples": 1}
         plain = decision("c1", options=OPTIONS3).model_copy(update=single)
@@ -134,13 +134,13 @@ def test_engine_applies_calibration(engine: Engine, tmp_path: Path) -> None:
 def test_engine_refuses_a_calibration_for_another_model(engine: Engine, tmp_path: Path) -> None:
     path = _calibration("00" * 32).save(tmp_path / "cal.json")
     with pytest.raises(ModelLoadError, match=r"m\.gguf"):
-        Engine(EngineSettings(**{**engine.settings.model_dump(), "calibration": path}))
+        open_engine(EngineSettings(**{**engine.settings.model_dump(), "calibration": path}))
 
 
 def test_a_server_error_budget_needs_abstention_scores(engine: Engine) -> None:
     settings = engine.settings.model_copy(update={"max_error": 0.05, "shipped_calibration": False})
     with pytest.raises(ModelLoadError, match=r"ARBITER_MAX_ERROR=0\.05 needs a calibration"):
-        Engine(settings)
+        open_engine(settings)
 
 
 def test_adaptive_reads_are_the_single_reads_of_each_order(engine: Engine) -> None:
@@ -153,7 +153,7 @@ def test_adaptive_reads_are_the_single_reads_of_each_order(engine: Engine) -> No
     settings = engine.settings.model_copy(
         update={"order_margin": 1e9, "shipped_calibration": False, "order_policy": "adaptive"}
     )
-    adaptive = Engine(settings)
+    adaptive = open_engine(settings)
     try:
         assert adaptive.calibration is None
         got = _ok(adaptive.score([request])[0])
@@ -190,7 +190,7 @@ def test_abstention_keeps_the_answer_and_says_why(engine: Engine, tmp_path: Path
     path = _calibration(engine.sha256, engine.profile.sha256, abstention=fitted).save(
         tmp_path / "c.json"
     )
-    calibrated = Engine(engine.settings.model_copy(update={"calibration": path}))
+    calibrated = open_engine(engine.settings.model_copy(update={"calibration": path}))
     try:
         budget = decision("b1", options=OPTIONS3).model_copy(update={"max_error": 0.05})
         floor = decision("b2", options=OPTIONS3).model_copy(update={"min_confidence": 0.0})

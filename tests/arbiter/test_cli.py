@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests import ROOT
@@ -43,6 +44,29 @@ def test_decide_writes_one_line_per_input_line(tmp_path: Path) -> None:
     assert (
         out[3]["result"]["prompt"]["prefix_tokens"] == out[0]["result"]["prompt"]["prefix_tokens"]
     )
+
+
+def test_decide_refuses_a_missing_input_in_one_line_before_any_model_loads(
+    tmp_path: Path,
+) -> None:
+    """A mistyped file name costs no model load: the input is opened first, and the refusal takes
+    the time an interpreter takes to start (0.5 s here; the bound is 3 s). The model named here is
+    a file llama.cpp cannot load, so a command that loaded first would refuse the model."""
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model\n" * 64)
+    missing = tmp_path / "missing.jsonl"
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "arbiter", "decide", str(missing), "--model", str(junk), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    took = time.monotonic() - started
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [f"arbiter decide: {missing}: No such file or directory"]
+    assert proc.stdout == ""
+    assert took < 3, f"{took:.1f} s"
 
 
 def _loaded_after(code: str) -> set[str]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from arbiter import prompt as prompts
-from arbiter.engine import Engine
+from arbiter.engine import Engine, open_engine
 from arbiter.errors import ContextLengthExceeded, TooManyOptions
 from arbiter.schema import DecisionRequest, DecisionResult
 from arbiter.settings import EngineSettings
@@ -154,7 +154,7 @@ def test_shared_state_agrees_with_decisions_scored_one_by_one(engine: Engine) ->
 
 
 def test_parallel_branches_agree_within_kernel_tolerance(default_gguf: Path) -> None:
-    eng = Engine(
+    eng = open_engine(
         EngineSettings(
             model=default_gguf, parallel_branches=True, n_ctx=2048, n_threads=TEST_THREADS
         )
@@ -176,7 +176,7 @@ def test_parallel_branches_prefill_a_lone_cold_question_in_one_decode(
     """With parallel branches a question alone, its state not cached, is prefilled in one decode
     (issue 24: the prefix-then-suffix split cost ~6% of a cold decision); the cache then keeps the
     state's cells alone, so another question on that state reads as the default engine's."""
-    eng = Engine(
+    eng = open_engine(
         EngineSettings(
             model=default_gguf, parallel_branches=True, n_ctx=2048, n_threads=TEST_THREADS
         )
@@ -228,7 +228,7 @@ def test_mixed_states_come_back_in_input_order(engine: Engine) -> None:
 
 
 def test_more_questions_than_branches_are_chunked(default_gguf: Path) -> None:
-    small = Engine(
+    small = open_engine(
         EngineSettings(model=default_gguf, max_branches=2, n_ctx=2048, n_threads=TEST_THREADS)
     )
     try:
@@ -254,7 +254,7 @@ def test_prefix_cache_hit_equals_cold_run(engine: Engine) -> None:
 
 
 def test_prefix_cache_is_bounded(default_gguf: Path) -> None:
-    eng = Engine(
+    eng = open_engine(
         EngineSettings(model=default_gguf, prefix_cache_mb=1.0, n_ctx=1024, n_threads=TEST_THREADS)
     )
     try:
@@ -267,7 +267,7 @@ def test_prefix_cache_is_bounded(default_gguf: Path) -> None:
 
 
 def test_cache_off_reports_off(default_gguf: Path) -> None:
-    eng = Engine(
+    eng = open_engine(
         EngineSettings(model=default_gguf, prefix_cache_mb=0, n_ctx=1024, n_threads=TEST_THREADS)
     )
     try:
@@ -301,7 +301,7 @@ def test_too_many_options_is_a_typed_error_and_others_still_score(engine: Engine
 
 
 def test_prompt_longer_than_context_is_refused_not_truncated(default_gguf: Path) -> None:
-    eng = Engine(EngineSettings(model=default_gguf, n_ctx=256, n_threads=TEST_THREADS))
+    eng = open_engine(EngineSettings(model=default_gguf, n_ctx=256, n_threads=TEST_THREADS))
     try:
         long_state = "word " * 400
         outcomes = eng.score([decision("long", long_state), decision("short")])

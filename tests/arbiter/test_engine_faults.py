@@ -19,7 +19,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from arbiter.engine import Engine, backends
+from arbiter.engine import Engine, backends, open_engine
 from arbiter.engine.prefix_cache import PrefixCache
 from arbiter.errors import ContextLengthExceeded, EngineFailure, InvalidDecision
 from arbiter.schema import DecisionRequest, DecisionResult, Option
@@ -56,7 +56,7 @@ def _isolated(code: str, timeout: float = 120) -> subprocess.CompletedProcess[st
 @pytest.fixture(scope="module")
 def small(default_gguf: Path) -> Any:
     """A 256-token context: prompts overflow it easily."""
-    eng = Engine(EngineSettings(model=default_gguf, n_ctx=256, n_threads=TEST_THREADS))
+    eng = open_engine(EngineSettings(model=default_gguf, n_ctx=256, n_threads=TEST_THREADS))
     yield eng
     eng.close()
 
@@ -202,18 +202,18 @@ def test_a_model_without_bos_is_refused_or_served_never_aborts() -> None:
         """
         from pathlib import Path
         import llama_cpp
-        from arbiter.engine import Engine
+        from arbiter.engine import open_engine
         from arbiter.errors import ModelLoadError
         from arbiter.settings import EngineSettings
 
         settings = EngineSettings(model_dir=Path("/nonexistent"), n_threads=1, n_ctx=512)
         llama_cpp.llama_vocab_bos = lambda vocab: -1  # a vocabulary without BOS
         try:
-            Engine(settings)
+            open_engine(settings)
         except ModelLoadError as exc:
             print("refused:", exc)
         llama_cpp.llama_vocab_get_add_bos = lambda vocab: False
-        eng = Engine(settings)
+        eng = open_engine(settings)
         print("bos_text", repr(eng.bos_text))
         for token in (-1, -5, eng.n_vocab, 2**31 - 1):
             assert eng.piece(token) == "" and not eng.is_control(token), token
@@ -240,7 +240,7 @@ def test_buffers_are_sized_for_the_outputs_read_not_n_batch(default_gguf: Path) 
     backends.init()
     llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
     try:
-        eng = Engine(
+        eng = open_engine(
             EngineSettings(model=default_gguf, n_ctx=512, n_threads=TEST_THREADS, max_branches=4)
         )
     finally:
@@ -282,13 +282,13 @@ def test_close_waits_for_running_calls_and_later_calls_fail_cleanly() -> None:
         """
         import threading, time
         from pathlib import Path
-        from arbiter.engine import Engine
+        from arbiter.engine import open_engine
         from arbiter.errors import EngineFailure
         from arbiter.schema import DecisionResult
         from arbiter.settings import EngineSettings
         from tests.fakes import decision
 
-        eng = Engine(EngineSettings(model_dir=Path("/nonexistent"), n_threads=1, n_ctx=1024))
+        eng = open_engine(EngineSettings(model_dir=Path("/nonexistent"), n_threads=1, n_ctx=1024))
         outcomes = []
         requests = [decision(f"d{i}", "A long shared state. " * 40, f"Q{i}?") for i in range(4)]
         worker = threading.Thread(target=lambda: outcomes.extend(eng.score(requests)))

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from arbiter.engine import Engine
+from arbiter.engine import open_engine
 from arbiter.engine.llama import Llama
 from arbiter.errors import LoadCancelled
 from arbiter.schema import DecisionResult
@@ -46,7 +46,7 @@ def _cancelled_at(gguf: Path, step: str) -> tuple[LoadCancelled, float]:
             cancel.set()
 
     with pytest.raises(LoadCancelled) as cancelled:
-        Engine(_settings(gguf), progress=progress, cancel=cancel)
+        open_engine(_settings(gguf), progress=progress, cancel=cancel)
     return cancelled.value, time.monotonic() - at[0]
 
 
@@ -65,7 +65,7 @@ def test_a_cancel_during_the_read_check_aborts_its_decode(default_gguf: Path) ->
 
 def test_a_cancel_after_the_load_stops_nothing(default_gguf: Path) -> None:
     cancel = threading.Event()
-    engine = Engine(_settings(default_gguf, read_check="off"), cancel=cancel)
+    engine = open_engine(_settings(default_gguf, read_check="off"), cancel=cancel)
     try:
         cancel.set()  # a server stopping now drains its requests: none is aborted
         (result,) = engine.score([decision("after-the-load")])

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from arbiter.engine import Engine
+from arbiter.engine import Engine, open_engine
 from arbiter.errors import ManifestMismatch, ModelLoadError
 from arbiter.lora import parse_lora, weights_id
 from arbiter.models import MANIFEST_NAME, sha256_file, smollm2_path
@@ -61,7 +61,9 @@ def adapter(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _engine(model: Path, lora: str | None = None, **kw: Any) -> Engine:
     kw.setdefault("read_check", "warn")  # random adapters move the label mass
-    return Engine(EngineSettings(model=model, n_threads=TEST_THREADS, n_ctx=2048, lora=lora, **kw))
+    return open_engine(
+        EngineSettings(model=model, n_threads=TEST_THREADS, n_ctx=2048, lora=lora, **kw)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +246,7 @@ def test_an_archive_serves_its_adapter_and_profile_pinned_in_every_result(
     ]
     assert manifest["profile"]["sha256"] == sha256_file(profile)
 
-    eng = Engine(
+    eng = open_engine(
         EngineSettings(model_dir=model_dir, n_threads=TEST_THREADS, n_ctx=1024, read_check="warn")
     )
     try:
@@ -261,7 +263,7 @@ def test_an_archive_serves_its_adapter_and_profile_pinned_in_every_result(
         write_lora(smollm2, tmp_path / "x.gguf", seed=8).read_bytes()
     )
     with pytest.raises(ManifestMismatch, match="LoRA adapter is corrupt"):
-        Engine(
+        open_engine(
             EngineSettings(
                 model_dir=model_dir, n_threads=TEST_THREADS, n_ctx=1024, read_check="warn"
             )

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from arbiter.engine import Engine
+from arbiter.engine import Engine, open_engine
 from arbiter.engine.calibration import Calibration, PolicyCalibration, Temperatures
 from arbiter.engine.labels import Labels, _prefix_free, choose_codes
 from arbiter.engine.probabilities import logsumexp, softmax
@@ -314,7 +314,7 @@ def test_grouped_single_and_cache_hit_agree_with_many_options(engine: Engine) ->
 
 
 def test_parallel_branches_compose_with_codes(default_gguf: Path) -> None:
-    eng = Engine(
+    eng = open_engine(
         EngineSettings(
             model=default_gguf,
             parallel_branches=True,
@@ -357,7 +357,7 @@ def test_255_options_score_within_the_context_and_256_is_a_typed_error(engine: E
 
 @pytest.fixture(scope="module")
 def small(default_gguf: Path) -> Iterator[Engine]:
-    eng = Engine(EngineSettings(model=default_gguf, n_ctx=512, n_threads=TEST_THREADS))
+    eng = open_engine(EngineSettings(model=default_gguf, n_ctx=512, n_threads=TEST_THREADS))
     yield eng
     eng.close()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from arbiter.engine import Engine
+from arbiter.engine import open_engine
 from arbiter.errors import ManifestMismatch, ModelLoadError
 from arbiter.models import MANIFEST_NAME, resolve_model, sha256_file, smollm2_path
 from arbiter.settings import EngineSettings
@@ -83,7 +83,7 @@ def test_manifest_mismatch_refuses_to_start(tmp_path: Path, smol: Path) -> None:
     gguf = _link(smol, tmp_path / "model" / "smol.gguf")
     _manifest(gguf.parent, "smol.gguf", "0" * 64)
     with pytest.raises(ManifestMismatch, match="refusing to start"):
-        Engine(EngineSettings(model=None, model_dir=tmp_path / "model", n_ctx=512))
+        open_engine(EngineSettings(model=None, model_dir=tmp_path / "model", n_ctx=512))
 
 
 def test_matching_manifest_loads_and_pins_the_hash(
@@ -91,7 +91,7 @@ def test_matching_manifest_loads_and_pins_the_hash(
 ) -> None:
     gguf = _link(smol, tmp_path / "model" / "smol.gguf")
     _manifest(gguf.parent, "smol.gguf", smol_sha)
-    eng = Engine(
+    eng = open_engine(
         EngineSettings(model=None, model_dir=tmp_path / "model", n_ctx=512, n_threads=TEST_THREADS)
     )
     try:
@@ -115,7 +115,7 @@ def test_gpu_layers_without_gpu_backend_refuse_to_start(smol: Path) -> None:
     if llama_cpp.llama_supports_gpu_offload():
         pytest.skip("this build has a GPU backend")
     with pytest.raises(ModelLoadError, match="no GPU backend"):
-        Engine(EngineSettings(model=smol, n_gpu_layers=10, n_ctx=512))
+        open_engine(EngineSettings(model=smol, n_gpu_layers=10, n_ctx=512))
 
 
 def test_the_best_installed_catalog_model_wins_over_bundled(
@@ -144,7 +144,7 @@ def test_the_best_installed_catalog_model_wins_over_bundled(
 def test_the_bundled_model_says_it_is_a_format_demo(
     default_gguf: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    engine = Engine(EngineSettings(model_dir=Path("/nonexistent"), n_threads=TEST_THREADS))
+    engine = open_engine(EngineSettings(model_dir=Path("/nonexistent"), n_threads=TEST_THREADS))
     engine.close()
     said = capsys.readouterr()
     assert "bundled_model" in said.out + said.err
@@ -167,7 +167,7 @@ def test_a_vocabulary_only_gguf_is_refused_as_one_without_weights(
 
     vocab = Vocabulary(default_gguf).write(tmp_path / "vocab-only.gguf", None)
     settings = EngineSettings(model=vocab, model_dir=tmp_path, n_threads=TEST_THREADS)
-    for load in (check_files, Engine):
+    for load in (check_files, open_engine):
         with pytest.raises(ModelLoadError) as refused:
             load(settings)
         assert "holds no weights" in refused.value.message, refused.value.message

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arbiter.engine import Engine
+from arbiter.engine import Engine, open_engine
 from arbiter.engine.probabilities import logsumexp
 from arbiter.engine.prompting import check_prompts
 from arbiter.errors import LabelVocabularyError, ManifestMismatch, ModelLoadError, TooManyOptions
@@ -64,7 +64,7 @@ def _write(tmp_path: Path, text: str, name: str = "profile.toml") -> Path:
 @pytest.fixture(scope="module")
 def yes_no_engine(default_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     path = _write(tmp_path_factory.mktemp("profile"), YES_NO)
-    eng = Engine(
+    eng = open_engine(
         EngineSettings(
             model=default_gguf,
             n_threads=TEST_THREADS,
@@ -127,7 +127,7 @@ def test_two_token_labels_are_read_by_the_chain_rule(default_gguf: Path, tmp_pat
         "ticket-yes-no-v1", "ticket-codes-v1"
     )
     path = _write(tmp_path, profile)
-    eng = Engine(
+    eng = open_engine(
         EngineSettings(
             model=default_gguf,
             n_threads=TEST_THREADS,
@@ -239,7 +239,7 @@ def test_a_model_dirs_manifest_serves_its_profile_and_refuses_a_changed_one(
     default_gguf: Path, tmp_path: Path
 ) -> None:
     directory = _model_dir(tmp_path, default_gguf, YES_NO)
-    eng = Engine(
+    eng = open_engine(
         EngineSettings(model_dir=directory, n_threads=TEST_THREADS, n_ctx=1024, read_check=WARN)
     )
     try:
@@ -250,7 +250,7 @@ def test_a_model_dirs_manifest_serves_its_profile_and_refuses_a_changed_one(
         eng.close()
     (directory / "profile.toml").write_text(YES_NO.replace("yes or no", "yes or no!"))
     with pytest.raises(ManifestMismatch, match="prompt profile is corrupt"):
-        Engine(
+        open_engine(
             EngineSettings(model_dir=directory, n_threads=TEST_THREADS, n_ctx=1024, read_check=WARN)
         )
 

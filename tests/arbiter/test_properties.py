@@ -26,7 +26,7 @@ from adapter import chat
 from adapter.app import create_app
 from arbiter import jsonio, systemone
 from arbiter import prompt as prompts
-from arbiter.engine import Engine
+from arbiter.engine import Engine, open_engine
 from arbiter.errors import ArbiterError
 from arbiter.lines import parse_decision_line
 from arbiter.schema import DecisionRequest, DecisionResult
@@ -198,7 +198,7 @@ def test_any_system_one_body_is_decisions_or_a_422(value: dict[str, Any]) -> Non
 def small_engine(default_gguf: Any) -> Iterator[Engine]:
     from arbiter.settings import EngineSettings
 
-    eng = Engine(EngineSettings(model=default_gguf, n_ctx=512, n_threads=TEST_THREADS))
+    eng = open_engine(EngineSettings(model=default_gguf, n_ctx=512, n_threads=TEST_THREADS))
     yield eng
     eng.close()
 

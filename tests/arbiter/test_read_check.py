@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from arbiter.cli import main
-from arbiter.engine import Engine, read_check
+from arbiter.engine import Engine, open_engine, read_check
 from arbiter.errors import ReadCheckRefused
 from arbiter.models import smollm2_path
 from arbiter.settings import READ_CHECK_MIN_MASS, READ_CHECK_MIN_RATIO, EngineSettings
@@ -36,7 +36,7 @@ def users_turn(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def warned(users_turn: Path) -> Iterator[Engine]:
-    eng = Engine(
+    eng = open_engine(
         EngineSettings(model=users_turn, n_threads=TEST_THREADS, n_ctx=2048, read_check="warn")
     )
     yield eng
@@ -54,7 +54,7 @@ def test_the_default_model_passes_and_reports_its_label_mass(engine: Engine) -> 
 
 def test_a_prompt_that_does_not_end_at_the_answer_refuses_to_start(users_turn: Path) -> None:
     with pytest.raises(ReadCheckRefused) as refused:
-        Engine(EngineSettings(model=users_turn, n_threads=TEST_THREADS, n_ctx=2048))
+        open_engine(EngineSettings(model=users_turn, n_threads=TEST_THREADS, n_ctx=2048))
     message = refused.value.message
     assert "\n" not in message
     assert message.startswith("refusing to start: users-turn.gguf puts 0.")
@@ -137,7 +137,7 @@ def test_a_prompt_over_the_floor_but_under_the_models_own_reference_is_refused(
     settings = EngineSettings(
         model=default_gguf, n_threads=TEST_THREADS, n_ctx=2048, prompt_profile=profile
     )
-    warned = Engine(settings.model_copy(update={"read_check": "warn"}))
+    warned = open_engine(settings.model_copy(update={"read_check": "warn"}))
     try:
         check = warned.read_check
         assert check.allowed_mass is not None and check.allowed_mass >= READ_CHECK_MIN_MASS
@@ -145,7 +145,7 @@ def test_a_prompt_over_the_floor_but_under_the_models_own_reference_is_refused(
     finally:
         warned.close()
     with pytest.raises(ReadCheckRefused, match=r"the same weights put 0\.6"):
-        Engine(settings)
+        open_engine(settings)
 
 
 @pytest.mark.real_model
@@ -160,7 +160,7 @@ def test_a_refusal_names_the_labels_case_when_the_model_writes_them_otherwise(
         model=source, n_threads=TEST_THREADS, n_ctx=2048, prompt_profile=_profile(tmp_path, YES_NO)
     )
     with pytest.raises(ReadCheckRefused) as refused:
-        Engine(settings)
+        open_engine(settings)
     assert "Cause: label case: the model writes 'No', 'Yes' where the labels are" in (
         refused.value.message
     )
@@ -183,3 +183,33 @@ def test_the_cause_is_the_labels_spelling_when_the_model_writes_another_form() -
         "position: the model writes something else first (its likeliest next tokens there: "
         "'<think>' 0.80)"
     )
+
+
+def test_the_load_and_the_read_check_are_two_timed_steps_over_files_found_once(
+    default_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server finds the model's files before it binds its port and the engine loads those, not
+    the settings resolved again; the read check is a step of its own after the load, each step
+    told as it starts (the server's log) and each timed."""
+    from arbiter.engine import check_files, model_files
+
+    settings = EngineSettings(
+        model=default_gguf, n_threads=TEST_THREADS, n_ctx=1024, read_check="warn"
+    )
+    files = check_files(settings)
+
+    def resolved_again(*args: object) -> None:
+        raise AssertionError("the model was resolved again")
+
+    monkeypatch.setattr(model_files, "resolve_model", resolved_again)
+    steps: list[tuple[str, dict[str, object]]] = []
+    eng = Engine(settings, files, lambda event, fields: steps.append((event, fields)))
+    try:
+        assert eng.read_check is None  # loaded, not checked yet
+        assert [event for event, _ in steps] == ["model_loading", "model_weights_loaded"]
+        assert float(steps[1][1]["seconds"]) > 0  # type: ignore[arg-type]
+        check = eng.check_reads(lambda event, fields: steps.append((event, fields)))
+        assert steps[2:] == [("read_check_started", {"mode": "warn"})]
+        assert eng.read_check is check and check.masses and check.seconds > 0
+    finally:
+        eng.close()

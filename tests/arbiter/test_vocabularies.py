@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from arbiter.cli import main
-from arbiter.engine import Engine
+from arbiter.engine import Engine, open_engine
 from arbiter.engine.labels import Labels
 from arbiter.engine.llama import Llama
 from arbiter.engine.prompting import open_prompts
@@ -165,7 +165,7 @@ def spm_engine(
         template_text("llama-2-chat"),
     )
     settings = EngineSettings(model=path, n_threads=TEST_THREADS, n_ctx=4096, read_check="off")
-    eng = Engine(settings)
+    eng = open_engine(settings)
     yield eng
     eng.close()
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from arbiter.engine import Engine
+from arbiter.engine import Engine, open_engine
 from bench import engine_bench
 from bench.common import ONE_READ, QUESTIONS, case_decision, sized_state
 from bench.floor import floor_shared, plain_pass, reference_option_logits
@@ -72,7 +72,7 @@ def test_the_adapter_rows_toggle_the_adapter_and_leave_it_applied(tmp_path: Path
     model = smollm2_path()
     assert model is not None
     lora = write_lora(model, tmp_path / "lora.gguf", seed=1)
-    eng = Engine(
+    eng = open_engine(
         EngineSettings(
             model=model, n_threads=TEST_THREADS, n_ctx=2048, lora=f"{lora}:1", order_policy=ONE_READ
         )

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from arbiter.schema import DecisionRequest
-from evaluation.backends import Outcome
+from evaluation.backends import ResultOrError
 from evaluation.reads import collect, orders_for
 from evaluation.tasks import EvalItem
 from tests.fakes import decision
@@ -21,10 +21,10 @@ class CountingBackend:
     def __init__(self) -> None:
         self.asked: list[str] = []
 
-    def decide(self, request: DecisionRequest) -> Outcome:
+    def decide(self, request: DecisionRequest) -> ResultOrError:
         return self.decide_many([request])[0]
 
-    def decide_many(self, requests: Sequence[DecisionRequest]) -> list[Outcome]:
+    def decide_many(self, requests: Sequence[DecisionRequest]) -> list[ResultOrError]:
         self.asked += [r.id for r in requests]
         return [
             (

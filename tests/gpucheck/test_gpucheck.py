@@ -233,14 +233,14 @@ def _paths(tmp_path: Path) -> pipeline.Paths:
 
 def test_stages_after_a_failure_are_skipped_and_every_stage_is_written_out(tmp_path: Path) -> None:
     settings = pipeline.Settings(gpu=False, repeats=1, long_prompt=0, questions=1, budget_s=100)
-    runner = pipeline.Runner("rehearsal", _paths(tmp_path), settings)
+    stages = pipeline.Stages("rehearsal", _paths(tmp_path), settings)
 
     def broken() -> str:
         raise RuntimeError("cmake exited 1")
 
-    assert runner.stage("first", lambda: "fine")
-    assert not runner.stage("build", broken)
-    assert not runner.stage("model", lambda: "never", needs=("build",))
+    assert stages.stage("first", lambda: "fine")
+    assert not stages.stage("build", broken)
+    assert not stages.stage("model", lambda: "never", needs=("build",))
     written = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
     assert [(s["name"], s["status"]) for s in written["stages"]] == [
         ("first", "ok"),
@@ -249,16 +249,16 @@ def test_stages_after_a_failure_are_skipped_and_every_stage_is_written_out(tmp_p
     ]
     assert "cmake exited 1" in written["stages"][1]["note"]
     assert "| model | skipped |" in (tmp_path / "out" / "gpu-check.md").read_text()
-    assert runner.failed() == ["build", "model"]
+    assert stages.failed() == ["build", "model"]
 
 
 def test_a_stage_that_would_start_too_near_the_deadline_is_skipped(tmp_path: Path) -> None:
     settings = pipeline.Settings(gpu=True, repeats=1, long_prompt=0, questions=1, budget_s=30)
-    runner = pipeline.Runner("device", _paths(tmp_path), settings)
+    stages = pipeline.Stages("device", _paths(tmp_path), settings)
     started = time.monotonic()
-    assert not runner.stage("bench-cpu", lambda: time.sleep(10), min_s=60)
+    assert not stages.stage("bench-cpu", lambda: time.sleep(10), min_s=60)
     assert time.monotonic() - started < 5
-    assert runner.results["stages"][0]["status"] == "skipped"
+    assert stages.results["stages"][0]["status"] == "skipped"
 
 
 def test_results_are_read_from_their_own_json_line_whatever_else_is_printed() -> None:

@@ -30,7 +30,7 @@ from tests.worker.fanout_support import done_outputs
 from worker.events import JobRef
 from worker.fanout import merge, split
 from worker.fanout.keys import JobFolder
-from worker.fanout.outcome import Outcome
+from worker.fanout.outcome import ShardOutcome
 from worker.jobs import Located, locate
 from worker.outputs import OutputKeys
 from worker.settings import WorkerSettings
@@ -53,7 +53,9 @@ async def _split(s3: Any, settings: WorkerSettings, ref: JobRef, run: int) -> fl
     return time.perf_counter() - started
 
 
-async def _merge(s3: Any, settings: WorkerSettings, outcomes: list[Outcome], run: int) -> float:
+async def _merge(
+    s3: Any, settings: WorkerSettings, outcomes: list[ShardOutcome], run: int
+) -> float:
     keys = OutputKeys(f"results/bench-{run}.results.jsonl", f"results/bench-{run}.summary.json")
     merger = merge.Merger(s3, settings)
     started = time.perf_counter()

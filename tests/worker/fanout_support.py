@@ -15,7 +15,7 @@ from tests.aws import list_keys, read_object, receive_all, s3_notification
 from tests.fakes import decision_line
 from tests.worker import support
 from worker.events import JobRef
-from worker.fanout.outcome import Outcome
+from worker.fanout.outcome import ShardOutcome
 from worker.jobs import run_job
 from worker.outputs import output_keys
 from worker.queue import Consumer
@@ -29,14 +29,14 @@ def fanout_settings(endpoint: str, **kw: Any) -> WorkerSettings:
 
 async def done_outputs(
     s3: Any, bucket: str, outputs: Sequence[tuple[str, bytes, int]]
-) -> list[Outcome]:
+) -> list[ShardOutcome]:
     """Shard outputs written to the store as (key, records, lines), with the outcomes a merge
     reads them by: each shard done, every line ok."""
     outcomes = []
     for index, (key, data, lines) in enumerate(outputs):
         await s3.put_object(Bucket=bucket, Key=key, Body=data)
         outcomes.append(
-            Outcome(
+            ShardOutcome(
                 index=index,
                 state="done",
                 attempt="a",

@@ -39,7 +39,7 @@ from tests.aws import CREDS, moto_endpoint
 from tests.faults.proxy import Call, FaultProxy
 from worker.fanout import status
 from worker.fanout.keys import JobFolder
-from worker.fanout.outcome import Outcome
+from worker.fanout.outcome import ShardOutcome
 from worker.fanout.plan import Manifest, ShardSpan
 from worker.outputs import OutputKeys
 
@@ -90,8 +90,8 @@ def _count_once(doc: dict[str, Any], index: int) -> dict[str, Any] | None:
     return {**doc, "shards": shards, "lines": lines, "counted": counted.hex()}
 
 
-def _outcome(index: int) -> Outcome:
-    return Outcome(
+def _outcome(index: int) -> ShardOutcome:
+    return ShardOutcome(
         index=index, state="done", attempt="a", output="x", bytes=1, lines=100, ok=100, failed=0
     )
 

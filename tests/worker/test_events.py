@@ -186,9 +186,7 @@ async def _pieces(data: bytes, size: int) -> AsyncIterator[bytes]:
 
 
 async def _collect(key: str, data: bytes, size: int) -> list[tuple[int, object, object]]:
-    return [
-        (item.line, item.value, item.id) async for item in items_for(key, _pieces(data, size))
-    ]
+    return [(item.line, item.value, item.id) async for item in items_for(key, _pieces(data, size))]
 
 
 def _kinds(items: list[tuple[int, object, object]]) -> list[tuple[int, str]]:

@@ -44,7 +44,7 @@ from worker.fanout import merge, runner, status
 from worker.fanout.frames import frame, unframe
 from worker.fanout.keys import JobFolder, job_folder
 from worker.fanout.merge import Merger
-from worker.fanout.outcome import Outcome
+from worker.fanout.outcome import ShardOutcome
 from worker.fanout.parts import plan_parts
 from worker.fanout.plan import Manifest, ShardSpan
 from worker.fanout.split import split_input
@@ -528,7 +528,7 @@ def test_every_part_but_the_last_is_at_least_the_minimum(
 
 
 def _outcome(index: int, key: str, size: int) -> dict[str, Any]:
-    return Outcome(
+    return ShardOutcome(
         index=index, state="done", attempt="a", output=key, bytes=size, lines=1, ok=1, failed=0
     ).model_dump(mode="json")
 

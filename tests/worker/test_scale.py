@@ -14,7 +14,7 @@ import pytest
 from tests.aws import aws_clients
 from worker.fanout import status
 from worker.fanout.keys import JobFolder
-from worker.fanout.outcome import Outcome
+from worker.fanout.outcome import ShardOutcome
 from worker.fanout.plan import Manifest, ShardSpan
 from worker.outputs import OutputKeys
 from worker.s3io import PreconditionFailed
@@ -38,8 +38,8 @@ def _manifest(shards: int) -> Manifest:
     )
 
 
-def _outcome(index: int) -> Outcome:
-    return Outcome(
+def _outcome(index: int) -> ShardOutcome:
+    return ShardOutcome(
         index=index, state="done", attempt="a", output="x", bytes=1, lines=10, ok=10, failed=0
     )
 

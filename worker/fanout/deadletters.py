@@ -20,9 +20,9 @@ it again), are the ways a record comes twice; none is ever lost.
 
 The claim names the run it is for (the summary's ``finished_at``): a re-run of the same input (its
 outputs deleted, its notification sent again) writes a summary of its own, and a claim or a
-``sent`` mark of an earlier run is taken over like a stale one (issue 36: the first run's mark
-outlived it, and a re-run's failed shard got no record). A claim that names no run (written before
-that) is taken as this run's.
+``sent`` mark of an earlier run is taken over like a stale one (else the first run's mark would
+outlive it, and a re-run's failed shard would get no record). A claim that names no run (an older
+worker's) is taken as this run's.
 
 Each record is the shard's message (``{"arbiter_shard": 2, ...}``: what failed, in the shape a
 worker reads) with what the summary says about it: ``failed`` (its lines, the error, after how

@@ -28,7 +28,7 @@ from worker.fanout.messages import send_merge, send_shards
 from worker.fanout.outcome import finished
 from worker.fanout.plan import Manifest, read_manifest, write_manifest
 from worker.fanout.split import split_input
-from worker.jobs import JobReport, Located, OutOfTries, Runner, locate, run_job
+from worker.jobs import JobReport, Located, Offload, OutOfTries, locate, run_job
 from worker.s3io import delete_prefix, exists
 from worker.settings import WorkerSettings
 
@@ -57,7 +57,7 @@ class Splitter:
         queue_url: str,
         merger: Merger,
         metrics: Any = None,
-        run: Runner | None = None,
+        run: Offload | None = None,
     ) -> None:
         self.settings, self.s3, self.sqs, self.engine = settings, s3, sqs, engine
         self.bucket = settings.bucket

@@ -31,7 +31,7 @@ import structlog
 from worker.fanout import status
 from worker.fanout.deadletters import DeadLetters
 from worker.fanout.keys import JobFolder
-from worker.fanout.outcome import Outcome, read_all
+from worker.fanout.outcome import ShardOutcome, read_all
 from worker.fanout.parts import S3_MIN_PART, MiB, Part, Piece, plan_upload
 from worker.fanout.plan import Manifest
 from worker.fanout.summary import ResultsTally, build_summary, outcomes_digest
@@ -136,7 +136,7 @@ class Merger:
     # -- the results -------------------------------------------------------------------------------
 
     async def _results(
-        self, keys: OutputKeys, outcomes: list[Outcome], digest: str
+        self, keys: OutputKeys, outcomes: list[ShardOutcome], digest: str
     ) -> dict[str, Any]:
         target = max(S3_MIN_PART, int(self.settings.part_size_mb * MiB))
         plan = plan_upload([o.bytes for o in outcomes], [True] * len(outcomes), target)
@@ -178,7 +178,7 @@ class Merger:
             "joined_bytes": sum(p.size for p in plan if not p.copy),
         }
 
-    async def _read(self, outcome: Outcome, start: int, end: int) -> bytearray:
+    async def _read(self, outcome: ShardOutcome, start: int, end: int) -> bytearray:
         """Bytes ``start``..``end`` of a shard's output, read in pieces."""
         got = await self.s3.get_object(
             Bucket=self.bucket, Key=outcome.output, Range=f"bytes={start}-{end - 1}"
@@ -192,7 +192,7 @@ class Merger:
         return data
 
     async def _put_part(
-        self, key: str, upload_id: str, number: int, part: Part, outcomes: list[Outcome]
+        self, key: str, upload_id: str, number: int, part: Part, outcomes: list[ShardOutcome]
     ) -> dict[str, Any]:
         common = {"Bucket": self.bucket, "Key": key, "UploadId": upload_id, "PartNumber": number}
         if part.copy:

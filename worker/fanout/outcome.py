@@ -23,7 +23,7 @@ from worker.jobs import JobFailed
 from worker.s3io import delete_quietly, get_json, put_new
 
 
-class Outcome(BaseModel):
+class ShardOutcome(BaseModel):
     """What became of one shard (see the module doc)."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
@@ -52,14 +52,14 @@ class Outcome(BaseModel):
     at: str = ""
 
 
-async def read_outcome(s3: Any, bucket: str, folder: JobFolder, index: int) -> Outcome | None:
+async def read_outcome(s3: Any, bucket: str, folder: JobFolder, index: int) -> ShardOutcome | None:
     got = await get_json(s3, bucket, folder.outcome(index))
-    return None if got is None else Outcome.model_validate(got[0])
+    return None if got is None else ShardOutcome.model_validate(got[0])
 
 
 async def publish(
-    s3: Any, bucket: str, folder: JobFolder, outcome: Outcome
-) -> tuple[Outcome, bool] | None:
+    s3: Any, bucket: str, folder: JobFolder, outcome: ShardOutcome
+) -> tuple[ShardOutcome, bool] | None:
     """Write the shard's outcome unless it has one; the outcome that counts, and whether it is this
     attempt's (see the module doc). None when the job ended meanwhile: the outcome that counted
     was there and its folder is gone, so this attempt's outcome is nobody's (a failed one taken
@@ -92,11 +92,13 @@ async def finished(s3: Any, bucket: str, folder: JobFolder) -> set[int]:
 READ_CONCURRENCY = 16  # outcome reads in flight at once
 
 
-async def read_some(s3: Any, bucket: str, folder: JobFolder, indices: list[int]) -> list[Outcome]:
+async def read_some(
+    s3: Any, bucket: str, folder: JobFolder, indices: list[int]
+) -> list[ShardOutcome]:
     """The outcomes of ``indices``, in that order (:data:`READ_CONCURRENCY` reads at a time)."""
     gate = asyncio.Semaphore(READ_CONCURRENCY)
 
-    async def one(index: int) -> Outcome:
+    async def one(index: int) -> ShardOutcome:
         async with gate:
             found = await read_outcome(s3, bucket, folder, index)
         if found is None:
@@ -106,6 +108,8 @@ async def read_some(s3: Any, bucket: str, folder: JobFolder, indices: list[int])
     return list(await asyncio.gather(*(one(i) for i in indices)))
 
 
-async def read_all(s3: Any, bucket: str, folder: JobFolder, manifest: Manifest) -> list[Outcome]:
+async def read_all(
+    s3: Any, bucket: str, folder: JobFolder, manifest: Manifest
+) -> list[ShardOutcome]:
     """Every shard's outcome, in shard order."""
     return await read_some(s3, bucket, folder, [s.index for s in manifest.shards])

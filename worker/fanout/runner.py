@@ -27,11 +27,11 @@ from worker.fanout.job import LAST_TRY, Splitter
 from worker.fanout.keys import JobFolder, job_folder
 from worker.fanout.merge import Merger
 from worker.fanout.messages import send_merge
-from worker.fanout.outcome import Outcome, finished, publish, read_outcome
+from worker.fanout.outcome import ShardOutcome, finished, publish, read_outcome
 from worker.fanout.plan import Manifest, ManifestCache, ShardSpan, read_manifest
 from worker.fanout.shard import ShardWork
 from worker.faults import classify, describe
-from worker.jobs import JobRejected, JobReport, LastTryMayRun, Runner
+from worker.jobs import JobRejected, JobReport, LastTryMayRun, Offload
 from worker.outputs import OutputKeys, output_keys
 from worker.s3io import exists
 from worker.settings import WorkerSettings
@@ -64,7 +64,7 @@ class FanOut:
         tries: Tries | None = None,
         dlq_url: str | None = None,
         metrics: Any = None,
-        run: Runner | None = None,
+        run: Offload | None = None,
     ) -> None:
         self.settings = settings
         self.bucket = settings.bucket
@@ -137,7 +137,7 @@ class FanOut:
         return JobReport("shard", job, keys)
 
     async def _completes(
-        self, folder: JobFolder, keys: OutputKeys, manifest: Manifest, outcome: Outcome
+        self, folder: JobFolder, keys: OutputKeys, manifest: Manifest, outcome: ShardOutcome
     ) -> bool:
         """Count the shard in its status stripe (:mod:`.status`); whether this count completed
         the job. The swaps are serial, so one count completes it and one worker sends the merge
@@ -166,7 +166,7 @@ class FanOut:
         manifest: Manifest,
         span: ShardSpan,
         delivery: Delivery,
-    ) -> Outcome | None:
+    ) -> ShardOutcome | None:
         """Score or fail the shard and publish its outcome; the outcome that counts, or None if the
         job ended while the shard was scored or failed (nothing of this attempt is kept then)."""
 

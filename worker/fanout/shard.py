@@ -1,6 +1,6 @@
 """One shard's work: score its input into an output of this attempt's own, or, once it is out of
 tries, write a ``shard_failed`` record for each of its lines. Either way the result is an
-:class:`~worker.fanout.outcome.Outcome` to publish; nothing here decides who wins.
+:class:`~worker.fanout.outcome.ShardOutcome` to publish; nothing here decides who wins.
 
 **A shard whose decisions all raise.** While the engine has failed on every decision of the shard
 so far, a try stops early and is retried, as the single path does at the start of a job: a broken
@@ -33,10 +33,10 @@ from arbiter.schema import DecisionRequest
 from arbiter.scorer import Scorer
 from worker.fanout.frames import DamagedShard, unframe
 from worker.fanout.keys import JobFolder
-from worker.fanout.outcome import Outcome
+from worker.fanout.outcome import ShardOutcome
 from worker.fanout.plan import Manifest, ShardSpan
 from worker.formats import decode_items
-from worker.jobs import JobRejected, Runner, raw_chunks, write_records
+from worker.jobs import JobRejected, Offload, raw_chunks, write_records
 from worker.s3io import gone, upload_spool
 from worker.settings import WorkerSettings
 
@@ -87,7 +87,7 @@ class ShardWork:
         s3: Any,
         engine: Scorer,
         metrics: Any = None,
-        run: Runner | None = None,
+        run: Offload | None = None,
     ) -> None:
         self.settings, self.s3, self.engine = settings, s3, engine
         self.bucket = settings.bucket
@@ -109,7 +109,7 @@ class ShardWork:
         span: ShardSpan,
         last_try: bool,
         wanted: Callable[[], Awaitable[bool]] | None = None,
-    ) -> Outcome | None:
+    ) -> ShardOutcome | None:
         """Score the shard into this attempt's own output (see the module doc); None, with nothing
         written, if ``wanted()`` says after the scoring that the job no longer needs it (it ended
         meanwhile: a write into its folder now could outlive the clean-up)."""
@@ -137,7 +137,7 @@ class ShardWork:
             size = spool.tell()
             await upload_spool(self.s3, self.settings, output, spool)
         log.info("shard.scored", lines=tally.lines, failed=tally.failed, bytes=size)
-        return Outcome(
+        return ShardOutcome(
             index=span.index,
             state="done",
             attempt=attempt,
@@ -162,7 +162,7 @@ class ShardWork:
 
     async def fail(
         self, folder: JobFolder, manifest: Manifest, span: ShardSpan, reason: str, receives: int
-    ) -> Outcome:
+    ) -> ShardOutcome:
         """The shard will not be scored: a ``shard_failed`` record for each of its items, with its
         id when the input can still be read, from the plan's line range when it cannot."""
         log.error("shard.failed", error=reason, receives=receives)
@@ -176,7 +176,7 @@ class ShardWork:
             await self._failed_records(folder, manifest, span, error, spool)
             size = spool.tell()
             await upload_spool(self.s3, self.settings, output, spool)
-        return Outcome(
+        return ShardOutcome(
             index=span.index,
             state="failed",
             attempt=attempt,

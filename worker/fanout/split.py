@@ -12,8 +12,8 @@ A job that would need more than :data:`~worker.fanout.plan.MAX_SHARDS` shards is
 error instead of a last shard that takes every remaining line, and **before the split**: unless its
 size alone shows that it fits (:func:`fits_unread`), the input is first read once without writing
 anything, cut as the split would cut it (:func:`count_shards`), and refused as soon as it needs one
-shard too many. Before issue 27 the refusal came when the split reached the limit, after it had
-read and uploaded up to 10,000 shard inputs (then deleted).
+shard too many, not when the split reaches the limit after reading and uploading up to 10,000
+shard inputs (then deleted).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
 ``failed``), shards done and failed of the total, lines done and failed of the total, when the job
 started, when the object was last updated, and an ETA.
 
-**Striped counting** (issue 27). One status object counted by every shard (a GET and an
-``If-Match`` PUT of one key, serial whatever the fleet) was the fleet's limit: 2.5 shards/s at 32
-workers and 50 ms, against 70 for the outcome alone. Now shard ``i`` is counted in stripe ``i mod
+**Striped counting.** One status object counted by every shard (a GET and an ``If-Match`` PUT
+of one key, serial whatever the fleet) would be the fleet's limit: 2.5 shards/s at 32 workers and
+50 ms, against 70 for the outcome alone. So shard ``i`` is counted in stripe ``i mod
 K`` (``K = min(shards, STRIPES)``, :data:`worker.fanout.plan.STRIPES`, fixed in the manifest), a
 small object in the job's folder (:meth:`~worker.fanout.keys.JobFolder.stripe`) holding a bitmap
 of its shards and their sums, by compare-and-swap: a redelivered shard counts once, and one count
@@ -44,7 +44,7 @@ from typing import Any
 import structlog
 
 from worker.fanout.keys import JobFolder
-from worker.fanout.outcome import Outcome, finished
+from worker.fanout.outcome import ShardOutcome, finished
 from worker.fanout.plan import Manifest
 from worker.faults import Busy
 from worker.outputs import OutputKeys
@@ -263,7 +263,7 @@ async def update(
 
 
 async def count(
-    s3: Any, bucket: str, key: str, folder: JobFolder, manifest: Manifest, outcome: Outcome
+    s3: Any, bucket: str, key: str, folder: JobFolder, manifest: Manifest, outcome: ShardOutcome
 ) -> bool | None:
     """Count a shard's outcome (see the module doc); whether this count is to send the merge
     message. None when its stripe is gone (the job's folder went: the caller lists instead)."""

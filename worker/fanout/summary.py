@@ -21,12 +21,12 @@ from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
 
-from worker.fanout.outcome import Outcome
+from worker.fanout.outcome import ShardOutcome
 from worker.fanout.plan import Manifest
 from worker.outputs import OutputKeys
 
 
-def prefix_reuse(manifest: Manifest, outcomes: list[Outcome]) -> dict[str, Any]:
+def prefix_reuse(manifest: Manifest, outcomes: list[ShardOutcome]) -> dict[str, Any]:
     """How much of the single path's state reuse the shard cut kept: a run of lines sharing a state
     is prefilled once by one worker; each shard boundary inside such a run costs one more."""
     done = {o.index: o for o in outcomes if o.state == "done"}
@@ -48,7 +48,7 @@ def prefix_reuse(manifest: Manifest, outcomes: list[Outcome]) -> dict[str, Any]:
     }
 
 
-def models(outcomes: list[Outcome]) -> list[dict[str, Any]]:
+def models(outcomes: list[ShardOutcome]) -> list[dict[str, Any]]:
     """Every model that scored a shard (a rolling update can straddle a job), by SHA-256, with the
     shards it scored, most shards first."""
     by_sha: dict[str, dict[str, Any]] = {}
@@ -62,7 +62,7 @@ def models(outcomes: list[Outcome]) -> list[dict[str, Any]]:
 
 
 def build_summary(
-    manifest: Manifest, keys: OutputKeys, outcomes: list[Outcome], stats: dict[str, Any]
+    manifest: Manifest, keys: OutputKeys, outcomes: list[ShardOutcome], stats: dict[str, Any]
 ) -> dict[str, Any]:
     """The job's summary, in the single path's shape, plus what the shards did."""
     codes: Counter[str] = Counter()
@@ -119,7 +119,7 @@ def build_summary(
     }
 
 
-def outcomes_digest(outcomes: list[Outcome]) -> str:
+def outcomes_digest(outcomes: list[ShardOutcome]) -> str:
     """What a results object was made of: each shard's outcome attempt and size."""
     text = "\n".join(
         f"{o.index} {o.attempt} {o.bytes}" for o in sorted(outcomes, key=lambda o: o.index)
