@@ -14,8 +14,7 @@ from structlog.testing import capture_logs
 from tests.aws import aws_clients, list_keys, read_object, receive_all
 from tests.fakes import FakeEngine
 from tests.faults.proxy import Call
-from tests.worker.fanout_support import make_consumer, pending, stripped
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     Rule,
     drop,
     fault_settings,
@@ -24,6 +23,7 @@ from tests.worker.scenarios import (
     run_fleet,
     versioned_stack,
 )
+from tests.worker.fanout_support import make_consumer, pending, stripped
 from tests.worker.support import sample
 from worker.events import JobRef, parse_message
 from worker.fanout import FanOut, status

@@ -1,5 +1,5 @@
 """Each way issue 19 found to leave a job unfinished, or its summary untrue, as a test: a fleet of
-consumers behind the fault proxy meets the fault, and every invariant of tests/worker/invariants.py
+consumers behind the fault proxy meets the fault, and every invariant of tests/faults/invariants.py
 holds after (every line once and in order, the single path's records, a true summary, a finished
 status, nothing left behind, an empty DLQ unless a shard truly ran out of tries)."""
 
@@ -15,37 +15,37 @@ import pytest
 
 from tests.aws import aws_clients, list_keys, read_object, receive_all
 from tests.fakes import FakeEngine, decision_line
+from tests.faults.fleet import Fleet
+from tests.faults.invariants import violations
 from tests.faults.proxy import Call
-from tests.worker.fanout_support import sample
-from tests.worker.fleet import Fleet
-from tests.worker.invariants import violations
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     OncePerKey,
     PoisonEngine,
     Rule,
     rules,
 )
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     drop as _drop,
 )
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     fault_settings as _settings,
 )
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     finished as _finished,
 )
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     holding as _held,
 )
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     numbered_body as _body,
 )
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     run_fleet as _run,
 )
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     versioned_stack as _stack,
 )
+from tests.worker.fanout_support import sample
 from worker.events import parse_message
 from worker.outputs import output_keys
 from worker.submit import submit

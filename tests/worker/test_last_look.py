@@ -14,7 +14,7 @@ import pytest
 
 from tests.aws import aws_clients
 from tests.fakes import FakeEngine
-from tests.worker.scenarios import drop, fault_settings, numbered_body, versioned_stack
+from tests.faults.scenarios import drop, fault_settings, numbered_body, versioned_stack
 from worker.events import parse_message
 from worker.fanout import FanOut
 from worker.fanout.keys import job_folder

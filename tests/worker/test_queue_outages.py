@@ -15,9 +15,9 @@ from structlog.testing import capture_logs
 
 from tests.aws import aws_clients, list_keys, read_object, wait_for
 from tests.fakes import FakeEngine, decision_line
+from tests.faults.fleet import Fleet
 from tests.faults.proxy import Call, FaultProxy
-from tests.worker.fleet import Fleet
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     Rule,
     drop,
     fault_settings,
