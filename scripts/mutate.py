@@ -1059,7 +1059,9 @@ MUTATIONS = (
         "refused-before-the-split",
         "worker/fanout/split.py",
         '    if not fits_unread(ref.key, found.head.get("ContentLength"), shard_lines):\n'
-        "        await count_shards(s3, ref, found, settings, shard_lines)  # refused before any write\n",
+        "        whole = await precount(s3, found, settings, shard_lines)  # refused before any upload\n"
+        "        if whole is not None:\n"
+        "            return whole\n",
         "",
         (
             "tests/worker/test_fanout_faults.py::"
