@@ -1585,7 +1585,7 @@ MUTATIONS = (
     Mutation(
         "first-past-the-tries-leaves-the-holder",
         "worker/fanout/runner.py",
-        "            if delivery.reason is None and self.tries.first_past(count):",
+        "            if receive.reason is None and self.tries.first_past(count):",
         "            if False:",
         (
             "tests/worker/test_last_look.py::"

@@ -13,7 +13,7 @@ from typing import Any
 import structlog
 
 from worker.events import Ignored, Ref, ShardRef
-from worker.fanout import Delivery, FanOut
+from worker.fanout import FanOut
 from worker.faults import Fault, classify, describe
 from worker.jobs import InputDenied, JobRejected, JobReport, write_rejection
 from worker.metrics import WorkerMetrics
@@ -39,7 +39,7 @@ class Dispatch:
     ) -> None:
         self.fanout, self.replies, self.metrics, self.tries = fanout, replies, metrics, tries
 
-    async def run_all(self, entries: list[Ref | Ignored], delivery: Delivery) -> list[str]:
+    async def run_all(self, entries: list[Ref | Ignored], receive: Receive) -> list[str]:
         """Run the message's jobs in turn; the reasons of those rejected for good."""
         rejected = []
         for entry in entries:
@@ -48,11 +48,11 @@ class Dispatch:
                 self.metrics.jobs.labels("ignored").inc()
                 continue
             try:
-                await self.run(entry, delivery)
+                await self.run(entry, receive)
             except InputDenied as exc:
-                if not self.tries.last(delivery.receive_count):
+                if not self.tries.last(receive.count):
                     raise  # counts: backed off, read again (a grant may be on its way)
-                tried = f"{exc} (refused on each of its {delivery.receive_count} tries)"
+                tried = f"{exc} (refused on each of its {receive.count} tries)"
                 rejected.append(await self._reject(entry, JobRejected(tried, exc.keys)))
             except JobRejected as exc:
                 rejected.append(await self._reject(entry, exc))
@@ -64,12 +64,12 @@ class Dispatch:
         self.metrics.jobs.labels("rejected").inc()
         return str(exc)
 
-    async def run(self, ref: Ref, delivery: Delivery) -> JobReport:
+    async def run(self, ref: Ref, receive: Receive) -> JobReport:
         started = time.perf_counter()
         what = {"ShardRef": "shard", "MergeRef": "merge"}.get(type(ref).__name__, "job")
         with structlog.contextvars.bound_contextvars(bucket=ref.bucket, key=ref.key, etag=ref.etag):
             log.info(f"{what}.started")
-            report = await self.fanout.run(ref, delivery)
+            report = await self.fanout.run(ref, receive)
             seconds = time.perf_counter() - started
             if report.outcome != "shard":
                 self.metrics.jobs.labels(report.outcome).inc()
@@ -165,7 +165,7 @@ class Dispatch:
     async def _give_up(self, refs: list[Ref], why: str) -> bool:
         """Fail the message's shards for good; whether that was written (if not, the next
         receive, past the tries, fails them then)."""
-        out = Delivery(None, self.tries.limit + 1, reason=why)
+        out = Receive(self.tries.limit + 1, reason=why)
         try:
             for ref in refs:
                 await self.fanout.run(ref, out)

@@ -26,7 +26,6 @@ import structlog
 
 from worker.dispatch import Dispatch, Failed
 from worker.events import UnreadableMessage, parse_message
-from worker.fanout import Delivery
 from worker.faults import classify
 from worker.jobs import JobFailed, LastTryMayRun, OutOfTries
 from worker.lease import Lease, LeaseLost, stop_together
@@ -124,8 +123,7 @@ class Handler:
                 lambda why: self.uncounted.record(message, why),
             )
             keeper = asyncio.create_task(lease.keep())
-            delivery = Delivery(message.get("MessageId"), receive.count)
-            work = asyncio.create_task(self.dispatch.run_all(entries, delivery))
+            work = asyncio.create_task(self.dispatch.run_all(entries, receive))
             try:
                 await asyncio.wait({keeper, work}, return_when=asyncio.FIRST_COMPLETED)
                 if not work.done() and not stops_work(keeper):

@@ -60,7 +60,8 @@ def _number(message: dict[str, Any], name: str) -> float | None:
 
 @dataclass(frozen=True)
 class Receive:
-    """One receive of a message, as the tries see it."""
+    """One receive of a message, as the tries see it, and as every step of its work is handed it
+    (the fan-out reads its number and, for a give-up decided before it runs, its reason)."""
 
     count: int  # its number among the message's counted tries
     outages: int = 0  # earlier receives given back for a fault not the work's
@@ -68,6 +69,8 @@ class Receive:
     outage_last: float | None = None  # when its last store or queue fault was
     last_look: bool = False
     raw: int = 1  # SQS's ApproximateReceiveCount: this receive of this message
+    message_id: str | None = None  # stable across redeliveries
+    reason: str | None = None  # why the tries ended, where the worker gave them up itself
 
     @classmethod
     def of(cls, message: dict[str, Any]) -> Receive:
@@ -81,6 +84,7 @@ class Receive:
             outage_last=last if last is not None else _number(message, OUTAGE_SINCE),
             last_look=LAST_LOOK in message.get("MessageAttributes", {}),
             raw=raw,
+            message_id=message.get("MessageId"),
         )
 
 

@@ -294,7 +294,7 @@ async def test_a_shard_failed_as_its_job_ends_sends_no_dlq_record(
     from worker.fanout.keys import job_folder
     from worker.fanout.messages import shard_body
     from worker.fanout.plan import read_manifest
-    from worker.fanout.runner import Delivery
+    from worker.tries import Receive
 
     settings = _settings(endpoint)
     async with aws_clients(endpoint) as (s3, sqs):
@@ -330,7 +330,9 @@ async def test_a_shard_failed_as_its_job_ends_sends_no_dlq_record(
 
         monkeypatch.setattr(outcome, "put_new", the_race)
         shard0 = parse_message(shard_body(manifest, 0), bucket="jobs", input_prefix="incoming/")[0]
-        await fanout.run(shard0, Delivery("late", 4))  # 2 past the 2 tries: fails the shard
+        await fanout.run(
+            shard0, Receive(4, message_id="late")
+        )  # 2 past the 2 tries: fails the shard
         dead = await receive_all(sqs, stack["dlq_url"], wait=0)
         # The split's shard messages were never taken by a worker here: the job ended without them.
         await sqs.purge_queue(QueueUrl=stack["queue_url"])
