@@ -1107,14 +1107,14 @@ MUTATIONS = (
     Mutation(
         "lost-lease-not-a-try",
         "worker/handling.py",
-        "                lambda why: self.uncounted.record(message, why),\n",
+        "                lambda why: self.uncounted.record(receive, why),\n",
         "                None,\n",
         (QUEUE_OUTAGES + "test_a_lease_lost_to_an_sqs_outage_spends_no_try_and_its_job_goes_on",),
     ),
     Mutation(
         "queue-fault-not-a-try",
         "worker/replies.py",
-        '            await self._uncounted(message, f"its release was not sent: {error}")\n',
+        '            await self._uncounted(receive, f"its release was not sent: {error}")\n',
         "",
         (QUEUE_OUTAGES + "test_a_receive_given_back_while_sqs_is_down_spends_no_try",),
     ),
@@ -1174,7 +1174,7 @@ MUTATIONS = (
     Mutation(
         "whole-job-clears-its-records",
         "worker/handling.py",
-        "                await self.uncounted.clear(message)  # a job run whole leaves no folder to go with\n",
+        "                await self.uncounted.clear(receive)  # a job run whole leaves no folder to go with\n",
         "                pass\n",
         (QUEUE_OUTAGES + "test_a_job_run_whole_leaves_no_record_of_its_uncounted_receives",),
     ),
@@ -1188,7 +1188,7 @@ MUTATIONS = (
     Mutation(
         "a-failed-try-counts",
         "worker/handling.py",
-        "                    await self.uncounted.forget(message)\n",
+        "                    await self.uncounted.forget(receive)\n",
         "                    pass\n",
         (QUEUE_OUTAGES + "test_a_try_that_fails_on_its_own_counts_even_if_its_lease_was_lost",),
     ),
@@ -1212,7 +1212,7 @@ MUTATIONS = (
     Mutation(
         "no-record-after-the-end",
         "worker/uncounted.py",
-        "            if await self._ended(message):  # its end may have deleted the folder already\n"
+        "            if await self._ended(receive):  # its end may have deleted the folder already\n"
         "                await delete_quietly(self.s3, self.settings.bucket, key)\n",
         "",
         (QUEUE_OUTAGES + "test_a_receive_recorded_after_its_jobs_end_leaves_nothing",),
@@ -1252,7 +1252,7 @@ MUTATIONS = (
     Mutation(
         "lost-lease-counted-campaign",
         "worker/handling.py",
-        "                lambda why: self.uncounted.record(message, why),\n",
+        "                lambda why: self.uncounted.record(receive, why),\n",
         "                None,\n",
         # The campaign alone is not a sure catch: on the seeds of make faults' 1000:1200 that allow
         # one try while SQS flaps (CI's 1000:1020 has four) it failed 1 of 2 mutate runs here

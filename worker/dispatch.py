@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import structlog
 
@@ -39,10 +38,10 @@ class Dispatch:
     ) -> None:
         self.fanout, self.replies, self.metrics, self.tries = fanout, replies, metrics, tries
 
-    async def run_all(self, entries: list[Ref | Ignored], receive: Receive) -> list[str]:
+    async def run_all(self, receive: Receive) -> list[str]:
         """Run the message's jobs in turn; the reasons of those rejected for good."""
         rejected = []
-        for entry in entries:
+        for entry in receive.entries:
             if isinstance(entry, Ignored):
                 log.info("job.ignored", reason=entry.reason)
                 self.metrics.jobs.labels("ignored").inc()
@@ -88,36 +87,27 @@ class Dispatch:
             )
             return report
 
-    async def fail(
-        self,
-        message: dict[str, Any],
-        entries: list[Ref | Ignored],
-        receive: Receive,
-        exc: BaseException,
-    ) -> Failed:
+    async def fail(self, receive: Receive, exc: BaseException) -> Failed:
         """A failed receive: a failure of the work counts (:meth:`_counted`); a store or queue
         fault gives the message back without spending a try (:meth:`_outage`), and so does an
         end-of-job race (:meth:`_busy`)."""
         failed = Failed(classify(exc), describe(exc))
-        refs = [e for e in entries if not isinstance(e, Ignored)]
         if failed.fault.counts:
-            await self._counted(message, refs, receive, failed.error)
+            await self._counted(receive, failed.error)
         elif failed.fault is Fault.RACE:
-            await self._busy(message, receive, failed)
+            await self._busy(receive, failed)
         else:
-            await self._outage(message, refs, receive, failed)
+            await self._outage(receive, failed)
         return failed
 
-    async def _busy(self, message: dict[str, Any], receive: Receive, failed: Failed) -> None:
+    async def _busy(self, receive: Receive, failed: Failed) -> None:
         """Another worker is doing this step now (:class:`worker.faults.Busy`): given back after
         a backoff that grows with each such receive; no try, no outage clock, no error line."""
         delay = self.tries.outage_delay(receive)
         log.info("message.busy", error=failed.error, retry_in_s=delay)
-        await self.replies.release(message, self.tries.carried(receive, busy=True), delay)
+        await self.replies.release(receive, self.tries.carried(receive, busy=True), delay)
 
-    async def _counted(
-        self, message: dict[str, Any], refs: list[Ref], receive: Receive, why: str
-    ) -> None:
+    async def _counted(self, receive: Receive, why: str) -> None:
         """Back off; on a shard's last try, fail the shard for good (its job goes on). A job
         message backs off on its last try too: the receive after it (past the tries, the redrive
         allows 3 more) repairs a split job, or gives the job its last look and then dead-letters
@@ -127,30 +117,30 @@ class Dispatch:
         backs off until it succeeds or SQS's redrive moves it (a job message re-sent then repairs
         the job)."""
         delay = self.tries.retry_delay(receive)
+        refs = receive.refs
         last = self.tries.last(receive.count) and _shards(refs)
         self.metrics.jobs.labels("failed").inc()
         log.error("job.failed", error=why, retry_in_s=delay, last_try=last)
         if not last or not await self._give_up(refs, why):
-            await self.replies.back_off(message, delay)
+            await self.replies.back_off(receive, delay)
             return
-        await self.replies.delete(message)
+        await self.replies.delete(receive)
 
-    async def _outage(
-        self, message: dict[str, Any], refs: list[Ref], receive: Receive, failed: Failed
-    ) -> None:
+    async def _outage(self, receive: Receive, failed: Failed) -> None:
         """Give the message back, after the backoff of its outages, as a new message that carries
         its count (:meth:`worker.tries.Tries.carried`): SQS's redrive never sees an outage. Past
         ``ARBITER_MAX_OUTAGE_S`` of nothing but outages, the message is given up instead (a shard
         failed, a job or merge dead-lettered), before SQS's retention would drop it silently."""
         self.metrics.outage_retries.labels(failed.fault.value).inc()
+        refs = receive.refs
         if self.tries.outage_over(receive):
             why = f"{failed.fault.value} unavailable for {self.tries.max_outage_s:g} s: {failed.error}"
             log.error("message.outage_too_long", fault=failed.fault.value, error=failed.error)
             if not _shards(refs):
-                await self.replies.dead_letter(message, "outage")
+                await self.replies.dead_letter(receive, "outage")
                 return
             if await self._give_up(refs, why):
-                await self.replies.delete(message)
+                await self.replies.delete(receive)
                 return
         delay = self.tries.outage_delay(receive)
         log.warning(
@@ -160,7 +150,7 @@ class Dispatch:
             retry_in_s=delay,
             outages=receive.outages + 1,
         )
-        await self.replies.release(message, self.tries.carried(receive, outage=True), delay)
+        await self.replies.release(receive, self.tries.carried(receive, outage=True), delay)
 
     async def _give_up(self, refs: list[Ref], why: str) -> bool:
         """Fail the message's shards for good; whether that was written (if not, the next

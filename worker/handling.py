@@ -13,8 +13,9 @@ the queue stops nothing: the receive is recorded as uncounted (:mod:`worker.unco
 goes on and writes its outcome, and a message SQS gave to another worker meanwhile is left to that
 worker's answer. A worker that dies stops renewing, and the message returns after the timeout.
 
-A receive's number (:class:`~worker.tries.Receive`) is SQS's count less the receives of its
-message that met a queue fault (:meth:`worker.uncounted.Uncounted.receive`).
+The message is read once (:meth:`worker.tries.Receive.read`: its body parsed) and that one
+:class:`~worker.tries.Receive` is what every step is handed. Its number is SQS's count less the
+receives of its message that met a queue fault (:meth:`worker.uncounted.Uncounted.counted`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import Any
 import structlog
 
 from worker.dispatch import Dispatch, Failed
-from worker.events import UnreadableMessage, parse_message
 from worker.faults import classify
 from worker.jobs import JobFailed, LastTryMayRun, OutOfTries
 from worker.lease import Lease, LeaseLost, stop_together
@@ -85,12 +85,19 @@ class Handler:
         # Each message in hand's receive as counted (read again by a release at the drain).
         self.receives: dict[str, Receive] = {}
 
+    def read(self, message: dict[str, Any]) -> Receive:
+        """This receive of ``message``, its body parsed (once: every step is handed this)."""
+        settings = self.settings
+        return Receive.read(message, bucket=settings.bucket, input_prefix=settings.input_prefix)
+
     async def _receive(self, message: dict[str, Any]) -> Receive:
+        read = self.read(message)
+        self.receives[message["ReceiptHandle"]] = read  # counted next (a drain may come first)
         try:
-            receive = await self.uncounted.receive(message, self.tries)
+            receive = await self.uncounted.counted(read, self.tries)
         except Exception as exc:  # S3 cannot say: SQS's count stands (it only counts more)
             log.warning("receive.uncounted_unread", error=f"{type(exc).__name__}: {exc}")
-            receive = Receive.of(message)
+            receive = read
         self.receives[message["ReceiptHandle"]] = receive
         return receive
 
@@ -101,16 +108,10 @@ class Handler:
             message_id=message.get("MessageId"), receive_count=receive.count
         )
         with bound:
-            try:
-                entries = parse_message(
-                    message["Body"],
-                    bucket=self.settings.bucket,
-                    input_prefix=self.settings.input_prefix,
-                )
-            except UnreadableMessage as exc:
-                log.error("message.unreadable", reason=str(exc))
+            if receive.unreadable is not None:
+                log.error("message.unreadable", reason=receive.unreadable)
                 self.metrics.jobs.labels("unreadable").inc()
-                await self.replies.dead_letter(message, "unreadable")
+                await self.replies.dead_letter(receive, "unreadable")
                 return None
             lease = Lease(
                 self.sqs,
@@ -120,10 +121,10 @@ class Handler:
                 self.metrics,
                 received_at,
                 self.visibility_limit_s,
-                lambda why: self.uncounted.record(message, why),
+                lambda why: self.uncounted.record(receive, why),
             )
             keeper = asyncio.create_task(lease.keep())
-            work = asyncio.create_task(self.dispatch.run_all(entries, receive))
+            work = asyncio.create_task(self.dispatch.run_all(receive))
             try:
                 await asyncio.wait({keeper, work}, return_when=asyncio.FIRST_COMPLETED)
                 if not work.done() and not stops_work(keeper):
@@ -137,44 +138,42 @@ class Handler:
                 log.error("job.lease_lost", reason=str(error))
                 if lease_gone(keeper):
                     return None  # deleted, or another worker's now: nothing to answer
-                return await self.dispatch.fail(message, entries, receive, error)
+                return await self.dispatch.fail(receive, error)
             if lease_gone(keeper):  # it went on after an outage; the message is another's now
                 self.metrics.jobs.labels("lease_lost").inc()
                 log.warning("job.lease_lost", reason=keeper.result().reason, answered=False)
                 return None
             failure = work.exception()
             if isinstance(failure, OutOfTries):
-                await self._out_of_tries(message, receive, failure)
+                await self._out_of_tries(receive, failure)
             elif isinstance(failure, LastTryMayRun):
                 # Left to the holder it may have: neither deleted (that would end its lease, and
                 # its work with it) nor copied; back in two visibility timeouts unless it finishes.
                 delay = 2 * self.settings.visibility_timeout_s
                 log.warning("shard.last_look", reason=str(failure), retry_in_s=delay)
-                await self.replies.back_off(message, delay)
+                await self.replies.back_off(receive, delay)
                 return None
             elif failure is not None:
                 if lease.lost is not None and classify(failure).counts:
                     # Its lease was lost to the queue, but the work failed on its own: a try.
-                    await self.uncounted.forget(message)
-                return await self.dispatch.fail(message, entries, receive, failure)
+                    await self.uncounted.forget(receive)
+                return await self.dispatch.fail(receive, failure)
             elif work.result():
-                await self.replies.dead_letter(message, "permanent")
+                await self.replies.dead_letter(receive, "permanent")
             else:
-                await self.replies.delete(message)
+                await self.replies.delete(receive)
             if lease.lost is not None or receive.raw > 1 or receive.count > receive.raw:
-                await self.uncounted.clear(message)  # a job run whole leaves no folder to go with
+                await self.uncounted.clear(receive)  # a job run whole leaves no folder to go with
             return None
 
-    async def _out_of_tries(
-        self, message: dict[str, Any], receive: Receive, error: Exception
-    ) -> None:
+    async def _out_of_tries(self, receive: Receive, error: Exception) -> None:
         """A job message past its tries, its job neither finished nor split: one last look after
         two visibility timeouts (a slow holder the message was shown again behind may yet finish
         or split it), then the dead-letter queue."""
         if receive.last_look:
             log.error("job.out_of_tries", tries=self.tries.limit, reason=str(error))
-            await self.replies.dead_letter(message, "max_receives")
+            await self.replies.dead_letter(receive, "max_receives")
             return
         delay = 2 * self.settings.visibility_timeout_s
         log.warning("job.last_look", tries=self.tries.limit, retry_in_s=delay)
-        await self.replies.release(message, self.tries.carried(receive, last_look=True), delay)
+        await self.replies.release(receive, self.tries.carried(receive, last_look=True), delay)

@@ -198,8 +198,9 @@ class Consumer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            receive = self.handler.receives.get(message["ReceiptHandle"]) or Receive.of(message)
-            await self.replies.release(message, self.tries.carried(receive))
+            receive = self.handler.receives.get(message["ReceiptHandle"])
+            receive = receive or self.handler.read(message)
+            await self.replies.release(receive, self.tries.carried(receive))
             return
         try:
             await task
