@@ -303,7 +303,7 @@ MUTATIONS = (
     ),
     Mutation(
         "outage-spends-no-try",
-        "worker/dispatch.py",
+        "worker/failures.py",
         "        if failed.fault.counts:\n",
         "        if True:\n",
         (
@@ -1174,8 +1174,8 @@ MUTATIONS = (
     Mutation(
         "whole-job-clears-its-records",
         "worker/handling.py",
-        "                await self.uncounted.clear(receive)  # a job run whole leaves no folder to go with\n",
-        "                pass\n",
+        "            await self.uncounted.clear(receive, lease.lost is not None)  # a job run whole too\n",
+        "",
         (QUEUE_OUTAGES + "test_a_job_run_whole_leaves_no_record_of_its_uncounted_receives",),
     ),
     Mutation(
@@ -1187,9 +1187,9 @@ MUTATIONS = (
     ),
     Mutation(
         "a-failed-try-counts",
-        "worker/handling.py",
-        "                    await self.uncounted.forget(receive)\n",
-        "                    pass\n",
+        "worker/failures.py",
+        "            await self.uncounted.forget(receive)\n",
+        "            pass\n",
         (QUEUE_OUTAGES + "test_a_try_that_fails_on_its_own_counts_even_if_its_lease_was_lost",),
     ),
     Mutation(
@@ -1231,7 +1231,7 @@ MUTATIONS = (
     # the seed of make faults' (CI's 1000:1020) that has the fault).
     Mutation(
         "store-fault-counted-campaign",
-        "worker/dispatch.py",
+        "worker/failures.py",
         "        if failed.fault.counts:\n",
         "        if True:\n",
         (CAMPAIGN,),

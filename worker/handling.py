@@ -2,7 +2,7 @@
 
 A message is deleted only after every job it announces has its results and summary written (or is
 found already done, superseded, or ignorable; a shard or merge message: its step done). A failed
-receive is answered by :class:`~worker.dispatch.Dispatch` after its fault (:mod:`worker.faults`):
+receive is answered by :class:`~worker.failures.Failures` after its fault (:mod:`worker.faults`):
 a failure of the work backs off and counts towards the message's tries (:mod:`worker.tries`), a
 store or queue fault gives the message back without counting. A job no retry can fix (its input is
 gone) and a body that is no job at all go to the dead-letter queue at their first receive.
@@ -25,9 +25,9 @@ from typing import Any
 
 import structlog
 
-from worker.dispatch import Dispatch, Failed
-from worker.faults import classify
-from worker.jobs import JobFailed, LastTryMayRun, OutOfTries
+from worker.dispatch import Dispatch
+from worker.failures import Failed
+from worker.jobs import JobFailed
 from worker.lease import Lease, LeaseLost, stop_together
 from worker.metrics import WorkerMetrics
 from worker.replies import QueueInfo, Replies
@@ -81,6 +81,7 @@ class Handler:
     ) -> None:
         self.settings, self.sqs, self.queue, self.tries = settings, sqs, queue, tries
         self.dispatch, self.replies, self.metrics = dispatch, replies, metrics
+        self.failures = dispatch.failures
         self.visibility_limit_s, self.uncounted = visibility_limit_s, uncounted
         # Each message in hand's receive as counted (read again by a release at the drain).
         self.receives: dict[str, Receive] = {}
@@ -138,42 +139,17 @@ class Handler:
                 log.error("job.lease_lost", reason=str(error))
                 if lease_gone(keeper):
                     return None  # deleted, or another worker's now: nothing to answer
-                return await self.dispatch.fail(receive, error)
+                return await self.failures.answer(receive, error)
             if lease_gone(keeper):  # it went on after an outage; the message is another's now
                 self.metrics.jobs.labels("lease_lost").inc()
                 log.warning("job.lease_lost", reason=keeper.result().reason, answered=False)
                 return None
             failure = work.exception()
-            if isinstance(failure, OutOfTries):
-                await self._out_of_tries(receive, failure)
-            elif isinstance(failure, LastTryMayRun):
-                # Left to the holder it may have: neither deleted (that would end its lease, and
-                # its work with it) nor copied; back in two visibility timeouts unless it finishes.
-                delay = 2 * self.settings.visibility_timeout_s
-                log.warning("shard.last_look", reason=str(failure), retry_in_s=delay)
-                await self.replies.back_off(receive, delay)
-                return None
-            elif failure is not None:
-                if lease.lost is not None and classify(failure).counts:
-                    # Its lease was lost to the queue, but the work failed on its own: a try.
-                    await self.uncounted.forget(receive)
-                return await self.dispatch.fail(receive, failure)
-            elif work.result():
+            if failure is not None:
+                return await self.failures.answer(receive, failure, lease.lost is not None)
+            if work.result():
                 await self.replies.dead_letter(receive, "permanent")
             else:
                 await self.replies.delete(receive)
-            if lease.lost is not None or receive.raw > 1 or receive.count > receive.raw:
-                await self.uncounted.clear(receive)  # a job run whole leaves no folder to go with
+            await self.uncounted.clear(receive, lease.lost is not None)  # a job run whole too
             return None
-
-    async def _out_of_tries(self, receive: Receive, error: Exception) -> None:
-        """A job message past its tries, its job neither finished nor split: one last look after
-        two visibility timeouts (a slow holder the message was shown again behind may yet finish
-        or split it), then the dead-letter queue."""
-        if receive.last_look:
-            log.error("job.out_of_tries", tries=self.tries.limit, reason=str(error))
-            await self.replies.dead_letter(receive, "max_receives")
-            return
-        delay = 2 * self.settings.visibility_timeout_s
-        log.warning("job.last_look", tries=self.tries.limit, retry_in_s=delay)
-        await self.replies.release(receive, self.tries.carried(receive, last_look=True), delay)

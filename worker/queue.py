@@ -26,6 +26,7 @@ import structlog
 from arbiter.scorer import Scorer
 from worker.breaker import CircuitBreaker
 from worker.dispatch import Dispatch
+from worker.failures import Failures
 from worker.fanout import FanOut
 from worker.faults import Fault, describe
 from worker.handling import Handler
@@ -99,7 +100,10 @@ class Consumer:
             self.metrics,
             thread_runner(self._engine_thread),
         )
-        self.dispatch = Dispatch(self.fanout, self.replies, self.metrics, self.tries)
+        failures = Failures(
+            settings, self.fanout, self.replies, self.uncounted, self.metrics, self.tries
+        )
+        self.dispatch = Dispatch(self.fanout, failures, self.metrics)
         self.handler = Handler(
             settings,
             sqs,

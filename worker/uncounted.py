@@ -95,9 +95,12 @@ class Uncounted:
         if (key := self._key(receive)) is not None:
             await delete_quietly(self.s3, self.settings.bucket, key)
 
-    async def clear(self, receive: Receive) -> None:
+    async def clear(self, receive: Receive, lease_lost: bool = False) -> None:
         """After a job message's last answer: its job's records, unless the job was split (its
-        shards may still need theirs, and its end deletes the folder)."""
+        shards may still need theirs, and its end deletes the folder). Only a receive that may
+        have left some looks: its lease lost to the queue, or not its message's first."""
+        if not lease_lost and receive.raw <= 1 and receive.count <= receive.raw:
+            return
         ref = _ref(receive)
         if not isinstance(ref, JobRef):
             return  # no folder, or a shard or merge message: the job's end deletes them
