@@ -25,14 +25,13 @@ from typing import Any
 
 import structlog
 
+from worker.context import WorkerContext
 from worker.dispatch import Dispatch
 from worker.failures import Failed
 from worker.jobs import JobFailed
 from worker.lease import Lease, LeaseLost, stop_together
-from worker.metrics import WorkerMetrics
-from worker.replies import QueueInfo, Replies
-from worker.settings import WorkerSettings
-from worker.tries import Receive, Tries
+from worker.replies import Replies
+from worker.tries import Receive
 from worker.uncounted import Uncounted
 
 log = structlog.get_logger("arbiter.worker")
@@ -69,20 +68,17 @@ class Handler:
 
     def __init__(
         self,
-        settings: WorkerSettings,
-        sqs: Any,
-        queue: QueueInfo,
-        tries: Tries,
+        ctx: WorkerContext,
         dispatch: Dispatch,
         replies: Replies,
-        metrics: WorkerMetrics,
-        visibility_limit_s: float,
         uncounted: Uncounted,
+        visibility_limit_s: float,
     ) -> None:
-        self.settings, self.sqs, self.queue, self.tries = settings, sqs, queue, tries
-        self.dispatch, self.replies, self.metrics = dispatch, replies, metrics
+        self.ctx, self.settings, self.metrics = ctx, ctx.settings, ctx.metrics
+        self.dispatch, self.replies, self.uncounted = dispatch, replies, uncounted
         self.failures = dispatch.failures
-        self.visibility_limit_s, self.uncounted = visibility_limit_s, uncounted
+        self.tries = self.failures.tries
+        self.visibility_limit_s = visibility_limit_s
         # Each message in hand's receive as counted (read again by a release at the drain).
         self.receives: dict[str, Receive] = {}
 
@@ -115,11 +111,8 @@ class Handler:
                 await self.replies.dead_letter(receive, "unreadable")
                 return None
             lease = Lease(
-                self.sqs,
-                self.queue.url,
-                message,
-                self.settings,
-                self.metrics,
+                self.ctx,
+                receive,
                 received_at,
                 self.visibility_limit_s,
                 lambda why: self.uncounted.record(receive, why),

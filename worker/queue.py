@@ -25,6 +25,7 @@ import structlog
 
 from arbiter.scorer import Scorer
 from worker.breaker import CircuitBreaker
+from worker.context import WorkerContext
 from worker.dispatch import Dispatch
 from worker.failures import Failures
 from worker.fanout import FanOut
@@ -87,34 +88,25 @@ class Consumer:
                 hint="set the queue's maxReceiveCount to ARBITER_MAX_RECEIVE_COUNT + 3, so the "
                 "worker sees the receive after a message's last try",
             )
-        self.uncounted = Uncounted(s3, settings)
-        self.replies = Replies(sqs, queue, self.metrics, self.uncounted)
-        self.fanout = FanOut(
+        ctx = WorkerContext(
             settings,
             s3,
             sqs,
             engine,
             queue.url,
-            self.tries,
             queue.dlq_url,
+            self.tries,
             self.metrics,
             thread_runner(self._engine_thread),
         )
+        self.uncounted = Uncounted(s3, settings)
+        self.replies = Replies(sqs, queue, self.metrics, self.uncounted)
+        self.fanout = FanOut(ctx)
         failures = Failures(
             settings, self.fanout, self.replies, self.uncounted, self.metrics, self.tries
         )
         self.dispatch = Dispatch(self.fanout, failures, self.metrics)
-        self.handler = Handler(
-            settings,
-            sqs,
-            queue,
-            self.tries,
-            self.dispatch,
-            self.replies,
-            self.metrics,
-            visibility_limit_s,
-            self.uncounted,
-        )
+        self.handler = Handler(ctx, self.dispatch, self.replies, self.uncounted, visibility_limit_s)
         base, most = settings.circuit_probe_s, settings.circuit_probe_max_s
         self.store = CircuitBreaker(
             "store", self.metrics, self._probe_store, base, most, probe_first=True

@@ -25,6 +25,7 @@ from tests.faults.scenarios import (
 )
 from tests.worker.fanout_support import make_consumer, pending, stripped
 from tests.worker.support import sample
+from worker.context import WorkerContext
 from worker.events import JobRef, parse_message
 from worker.fanout import FanOut, status
 from worker.fanout.deadletters import RecordsInFlight, records_key
@@ -106,7 +107,9 @@ async def test_a_status_that_is_gone_is_rebuilt_from_the_outcomes(endpoint: str)
         stack = await versioned_stack(s3, sqs, settings)
         job = await drop(s3, settings, "incoming/gone.jsonl", numbered_body(12))
         fanout = FanOut(
-            settings, s3, sqs, FakeEngine(), stack["queue_url"], Tries(5), stack["dlq_url"]
+            WorkerContext(
+                settings, s3, sqs, FakeEngine(), stack["queue_url"], stack["dlq_url"], Tries(5)
+            )
         )
         ref = JobRef("jobs", job.key)
         await fanout.run(ref)  # the split: the status, three shard messages

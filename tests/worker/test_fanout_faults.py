@@ -46,6 +46,7 @@ from tests.faults.scenarios import (
     versioned_stack as _stack,
 )
 from tests.worker.fanout_support import sample
+from worker.context import WorkerContext
 from worker.events import parse_message
 from worker.outputs import output_keys
 from worker.submit import submit
@@ -252,7 +253,9 @@ async def test_8_a_shard_scored_and_failed_at_once_has_one_outcome_and_a_true_su
         stack = await _stack(s3, sqs, settings)
         job = await _drop(s3, settings, "incoming/both.jsonl", _body(12))
         fanout = FanOut(
-            settings, s3, sqs, FakeEngine(), stack["queue_url"], Tries(2), stack["dlq_url"]
+            WorkerContext(
+                settings, s3, sqs, FakeEngine(), stack["queue_url"], stack["dlq_url"], Tries(2)
+            )
         )
         await fanout.run(
             parse_message(
@@ -301,7 +304,9 @@ async def test_a_shard_failed_as_its_job_ends_sends_no_dlq_record(
         stack = await _stack(s3, sqs, settings)
         job = await _drop(s3, settings, "incoming/late.jsonl", _body(12))
         fanout = FanOut(
-            settings, s3, sqs, FakeEngine(), stack["queue_url"], Tries(2), stack["dlq_url"]
+            WorkerContext(
+                settings, s3, sqs, FakeEngine(), stack["queue_url"], stack["dlq_url"], Tries(2)
+            )
         )
         ref = parse_message(
             json.dumps({"bucket": "jobs", "key": job.key}), bucket="jobs", input_prefix="incoming/"

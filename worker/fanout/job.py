@@ -19,11 +19,9 @@ receives that find their shard done, and at most one wave of duplicate scoring.
 
 from __future__ import annotations
 
-from typing import Any
-
 import structlog
 
-from arbiter.scorer import Scorer
+from worker.context import WorkerContext
 from worker.events import JobRef
 from worker.fanout import status
 from worker.fanout.keys import JobFolder, job_folder
@@ -36,7 +34,6 @@ from worker.jobs import (
     JobReport,
     Located,
     OutOfTries,
-    Runner,
     Source,
     locate,
     run_located,
@@ -61,21 +58,11 @@ def shard_lines_for(found: Located, settings: WorkerSettings) -> int:
 class Splitter:
     """Handles job messages for one worker (see the module doc)."""
 
-    def __init__(
-        self,
-        settings: WorkerSettings,
-        s3: Any,
-        sqs: Any,
-        engine: Scorer,
-        queue_url: str,
-        merger: Merger,
-        metrics: Any = None,
-        run: Runner | None = None,
-    ) -> None:
-        self.settings, self.s3, self.sqs, self.engine = settings, s3, sqs, engine
-        self.bucket = settings.bucket
-        self.queue_url, self.merger = queue_url, merger
-        self.metrics, self.run_engine = metrics, run
+    def __init__(self, ctx: WorkerContext, merger: Merger) -> None:
+        self.settings, self.s3, self.sqs, self.engine = ctx.settings, ctx.s3, ctx.sqs, ctx.engine
+        self.bucket = ctx.settings.bucket
+        self.queue_url, self.merger = ctx.queue_url, merger
+        self.metrics, self.run_engine = ctx.metrics, ctx.run
 
     async def run(self, ref: JobRef, out_of_tries: bool = False) -> JobReport:
         """Handle a job message; ``out_of_tries``: its last try died, so only a repair (the job

@@ -15,11 +15,10 @@ Its retries are its own message's; a merge that fails never spends a shard's tri
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import structlog
 
-from arbiter.scorer import Scorer
+from worker.context import WorkerContext
 from worker.events import JobRef, MergeRef, ShardRef
 from worker.fanout import status
 from worker.fanout.job import LAST_TRY, Splitter
@@ -30,40 +29,27 @@ from worker.fanout.outcome import Outcome, finished, publish, read_outcome
 from worker.fanout.plan import Manifest, ManifestCache, ShardSpan, read_manifest
 from worker.fanout.shard import ShardWork
 from worker.faults import classify, describe
-from worker.jobs import JobRejected, JobReport, LastTryMayRun, Runner
+from worker.jobs import JobRejected, JobReport, LastTryMayRun
 from worker.outputs import OutputKeys, output_keys
 from worker.s3io import exists
-from worker.settings import WorkerSettings
-from worker.tries import Receive, Tries
+from worker.tries import Receive
 
 log = structlog.get_logger("arbiter.worker")
 
 
 class FanOut:
-    """Runs job, shard and merge references for one worker (see the module doc). ``tries``: the
-    worker's tries on its queue (:mod:`worker.tries`); None, no limit."""
+    """Runs job, shard and merge references for one worker (see the module doc)."""
 
-    def __init__(
-        self,
-        settings: WorkerSettings,
-        s3: Any,
-        sqs: Any,
-        engine: Scorer,
-        queue_url: str,
-        tries: Tries | None = None,
-        dlq_url: str | None = None,
-        metrics: Any = None,
-        run: Runner | None = None,
-    ) -> None:
-        self.settings = settings
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.settings = settings = ctx.settings
         self.bucket = settings.bucket
-        self.s3, self.sqs = s3, sqs
-        self.queue_url, self.tries, self.dlq_url = queue_url, tries, dlq_url
-        self.metrics = metrics
+        self.s3, self.sqs = ctx.s3, ctx.sqs
+        self.queue_url, self.tries, self.dlq_url = ctx.queue_url, ctx.tries, ctx.dlq_url
+        self.metrics = ctx.metrics
         self.manifests = ManifestCache()
-        self.merger = Merger(s3, settings, metrics, sqs, dlq_url)
-        self.work = ShardWork(settings, s3, engine, metrics, run)
-        self.splitter = Splitter(settings, s3, sqs, engine, queue_url, self.merger, metrics, run)
+        self.merger = Merger(ctx.s3, settings, ctx.metrics, ctx.sqs, ctx.dlq_url)
+        self.work = ShardWork(settings, ctx.s3, ctx.engine, ctx.metrics, ctx.run)
+        self.splitter = Splitter(ctx, self.merger)
 
     async def run(
         self, ref: JobRef | ShardRef | MergeRef, receive: Receive | None = None
