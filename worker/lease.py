@@ -74,7 +74,7 @@ class Lease:
         on_lost: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.sqs = ctx.sqs
-        self.queue_url = ctx.queue_url
+        self.queue_url = ctx.queue.url
         self.receipt = receive.message["ReceiptHandle"]
         self.settings = settings = ctx.settings
         self.metrics: WorkerMetrics = ctx.metrics

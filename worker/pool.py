@@ -32,6 +32,7 @@ import structlog
 from arbiter.logging import configure
 from arbiter.ports import bind
 from arbiter.signals import STOP_SIGNALS
+from worker.context import WorkerContext
 from worker.policies import RestartPolicy
 from worker.protection import InHand, TaskProtection
 from worker.settings import MULTIPROC_ENV, WorkerSettings
@@ -106,7 +107,8 @@ async def _worker(settings: WorkerSettings, in_hand: InHand | None = None) -> No
         queue = await open_queue(sqs, settings, metrics, stop)
         if queue is None:
             return
-        consumer = Consumer(settings, s3, sqs, engine, queue, metrics, in_hand=in_hand)
+        ctx = WorkerContext(settings, s3, sqs, engine, queue, metrics=metrics)
+        consumer = Consumer(ctx, in_hand=in_hand)
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, consumer.stop)
         if stop.is_set():

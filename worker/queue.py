@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,9 +24,8 @@ from typing import Any
 
 import structlog
 
-from arbiter.scorer import Scorer
 from worker.breaker import CircuitBreaker
-from worker.context import WorkerContext
+from worker.context import QueueInfo, WorkerContext
 from worker.dispatch import Dispatch
 from worker.failures import Failures
 from worker.fanout import FanOut
@@ -34,8 +34,7 @@ from worker.handling import Handler
 from worker.jobs import thread_runner
 from worker.metrics import WorkerMetrics
 from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline
-from worker.replies import QueueInfo, Replies, describe_queue, open_queue
-from worker.settings import WorkerSettings
+from worker.replies import Replies, describe_queue, open_queue
 from worker.tries import ATTRIBUTES, Receive
 from worker.uncounted import Uncounted
 
@@ -59,23 +58,16 @@ class Consumer:
 
     def __init__(
         self,
-        settings: WorkerSettings,
-        s3: Any,
-        sqs: Any,
-        engine: Scorer,
-        queue: QueueInfo,
-        metrics: WorkerMetrics | None = None,
+        ctx: WorkerContext,
         visibility_limit_s: float = SQS_MAX_VISIBILITY_S,
         in_hand: Callable[[bool], None] | None = None,
     ) -> None:
-        self.settings = settings
+        settings, s3, sqs, queue = ctx.settings, ctx.s3, ctx.sqs, ctx.queue
+        self.settings, self.s3, self.sqs, self.queue = settings, s3, sqs, queue
+        self.engine = ctx.engine
         # Told True while a message is held, False after (the pool's task protection).
         self.in_hand = in_hand or (lambda holding: None)
-        self.s3 = s3
-        self.sqs = sqs
-        self.engine = engine
-        self.queue = queue
-        self.metrics = metrics or WorkerMetrics(registry=None)
+        self.metrics: WorkerMetrics = ctx.metrics or WorkerMetrics(registry=None)
         self.drain = DrainDeadline(settings.drain_deadline_s)
         self._stop = asyncio.Event()
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="arbiter-engine")
@@ -88,16 +80,9 @@ class Consumer:
                 hint="set the queue's maxReceiveCount to ARBITER_MAX_RECEIVE_COUNT + 3, so the "
                 "worker sees the receive after a message's last try",
             )
-        ctx = WorkerContext(
-            settings,
-            s3,
-            sqs,
-            engine,
-            queue.url,
-            queue.dlq_url,
-            self.tries,
-            self.metrics,
-            thread_runner(self._engine_thread),
+        # The context as its parts read it: the tries on this queue, the engine's own thread.
+        ctx = dataclasses.replace(
+            ctx, tries=self.tries, metrics=self.metrics, run=thread_runner(self._engine_thread)
         )
         self.uncounted = Uncounted(s3, settings)
         self.replies = Replies(sqs, queue, self.metrics, self.uncounted)

@@ -1,6 +1,6 @@
-"""The queue as one worker sees it, and what it answers SQS about a received message: delete it,
-back it off, give it back, or dead-letter it. Which of these a failed receive gets is the tries'
-(:mod:`worker.tries`) and the fault's (:mod:`worker.faults`) to say.
+"""The queue as one worker finds it (its :class:`~worker.context.QueueInfo`), and what it answers
+SQS about a received message: delete it, back it off, give it back, or dead-letter it. Which of
+these a failed receive gets is :mod:`worker.failures`'s to say.
 """
 
 from __future__ import annotations
@@ -8,39 +8,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from worker.breaker import CircuitBreaker
+from worker.context import QueueInfo
 from worker.faults import Fault, classify
 from worker.metrics import WorkerMetrics
-from worker.policies import ExponentialBackoff
 from worker.settings import WorkerSettings
-from worker.tries import SQS_MAX_DELAY_S, Receive, Tries
+from worker.tries import SQS_MAX_DELAY_S, Receive
 from worker.uncounted import Uncounted
 
 log = structlog.get_logger("arbiter.worker")
-
-
-@dataclass(frozen=True)
-class QueueInfo:
-    """The job queue: its URL, its redrive policy's ``maxReceiveCount`` and dead-letter queue."""
-
-    url: str
-    max_receive_count: int | None
-    dlq_url: str | None
-
-    def tries(self, settings: WorkerSettings) -> Tries:
-        """The worker's tries on this queue (:mod:`worker.tries`)."""
-        return Tries(
-            settings.max_receive_count,
-            self.max_receive_count,
-            ExponentialBackoff(settings.backoff_base_s, settings.backoff_max_s),
-            settings.max_outage_s,
-            settings.circuit_probe_max_s + settings.wait_time_s,
-        )
 
 
 async def open_queue(

@@ -25,7 +25,7 @@ from tests.faults.scenarios import (
 )
 from tests.worker.fanout_support import make_consumer, pending, stripped
 from tests.worker.support import sample
-from worker.context import WorkerContext
+from worker.context import QueueInfo, WorkerContext
 from worker.events import JobRef, parse_message
 from worker.fanout import FanOut, status
 from worker.fanout.deadletters import RecordsInFlight, records_key
@@ -108,7 +108,12 @@ async def test_a_status_that_is_gone_is_rebuilt_from_the_outcomes(endpoint: str)
         job = await drop(s3, settings, "incoming/gone.jsonl", numbered_body(12))
         fanout = FanOut(
             WorkerContext(
-                settings, s3, sqs, FakeEngine(), stack["queue_url"], stack["dlq_url"], Tries(5)
+                settings,
+                s3,
+                sqs,
+                FakeEngine(),
+                QueueInfo(stack["queue_url"], None, stack["dlq_url"]),
+                Tries(5),
             )
         )
         ref = JobRef("jobs", job.key)

@@ -46,7 +46,7 @@ from tests.faults.scenarios import (
     versioned_stack as _stack,
 )
 from tests.worker.fanout_support import sample
-from worker.context import WorkerContext
+from worker.context import QueueInfo, WorkerContext
 from worker.events import parse_message
 from worker.outputs import output_keys
 from worker.submit import submit
@@ -254,7 +254,12 @@ async def test_8_a_shard_scored_and_failed_at_once_has_one_outcome_and_a_true_su
         job = await _drop(s3, settings, "incoming/both.jsonl", _body(12))
         fanout = FanOut(
             WorkerContext(
-                settings, s3, sqs, FakeEngine(), stack["queue_url"], stack["dlq_url"], Tries(2)
+                settings,
+                s3,
+                sqs,
+                FakeEngine(),
+                QueueInfo(stack["queue_url"], None, stack["dlq_url"]),
+                Tries(2),
             )
         )
         await fanout.run(
@@ -305,7 +310,12 @@ async def test_a_shard_failed_as_its_job_ends_sends_no_dlq_record(
         job = await _drop(s3, settings, "incoming/late.jsonl", _body(12))
         fanout = FanOut(
             WorkerContext(
-                settings, s3, sqs, FakeEngine(), stack["queue_url"], stack["dlq_url"], Tries(2)
+                settings,
+                s3,
+                sqs,
+                FakeEngine(),
+                QueueInfo(stack["queue_url"], None, stack["dlq_url"]),
+                Tries(2),
             )
         )
         ref = parse_message(

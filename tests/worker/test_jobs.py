@@ -17,6 +17,7 @@ from tests.faults.fleet import Fleet
 from tests.faults.proxy import Call
 from tests.worker.fanout_support import fanout_settings, job_body, job_lines, pending
 from tests.worker.support import settings_for
+from worker.context import WorkerContext
 from worker.events import JobRef
 from worker.jobs import run_job
 from worker.metrics import WorkerMetrics
@@ -74,7 +75,8 @@ async def test_job_with_good_and_bad_lines_keeps_count_and_order(
         assert any("s3:TestEvent" in m["Body"] for m in messages)
         queue = await describe_queue(sqs, settings)
         assert queue.max_receive_count == settings.max_receive_count + 3 and queue.dlq_url
-        consumer = Consumer(settings, s3, sqs, counting, queue, WorkerMetrics(CollectorRegistry()))
+        metrics = WorkerMetrics(CollectorRegistry())
+        consumer = Consumer(WorkerContext(settings, s3, sqs, counting, queue, metrics=metrics))
         for message in messages:
             await consumer.handle(message)
 
@@ -141,7 +143,8 @@ async def test_redelivered_message_is_acknowledged_without_recomputing(
         messages = await _until_notified(sqs, stack["queue_url"])
         queue = await describe_queue(sqs, settings)
         registry = CollectorRegistry()
-        consumer = Consumer(settings, s3, sqs, counting, queue, WorkerMetrics(registry))
+        metrics = WorkerMetrics(registry)
+        consumer = Consumer(WorkerContext(settings, s3, sqs, counting, queue, metrics=metrics))
         for message in messages:
             await consumer.handle(message)
         [message] = [m for m in messages if "Records" in m["Body"]]

@@ -15,7 +15,7 @@ import pytest
 from tests.aws import aws_clients
 from tests.fakes import FakeEngine
 from tests.faults.scenarios import drop, fault_settings, numbered_body, versioned_stack
-from worker.context import WorkerContext
+from worker.context import QueueInfo, WorkerContext
 from worker.events import parse_message
 from worker.fanout import FanOut
 from worker.fanout.keys import job_folder
@@ -35,7 +35,12 @@ async def test_a_receive_past_the_tries_waits_for_the_last_try_it_may_overlap(
         job = await drop(s3, settings, "incoming/overlap.jsonl", numbered_body(12))
         fanout = FanOut(
             WorkerContext(
-                settings, s3, sqs, FakeEngine(), stack["queue_url"], stack["dlq_url"], Tries(2)
+                settings,
+                s3,
+                sqs,
+                FakeEngine(),
+                QueueInfo(stack["queue_url"], None, stack["dlq_url"]),
+                Tries(2),
             )
         )
         message = json.dumps({"bucket": "jobs", "key": job.key})
@@ -76,7 +81,12 @@ async def test_a_give_up_decided_for_the_shard_is_not_deferred(endpoint: str) ->
         job = await drop(s3, settings, "incoming/given-up.jsonl", numbered_body(12))
         fanout = FanOut(
             WorkerContext(
-                settings, s3, sqs, FakeEngine(), stack["queue_url"], stack["dlq_url"], Tries(2)
+                settings,
+                s3,
+                sqs,
+                FakeEngine(),
+                QueueInfo(stack["queue_url"], None, stack["dlq_url"]),
+                Tries(2),
             )
         )
         message = json.dumps({"bucket": "jobs", "key": job.key})

@@ -61,7 +61,7 @@ class Splitter:
     def __init__(self, ctx: WorkerContext, merger: Merger) -> None:
         self.settings, self.s3, self.sqs, self.engine = ctx.settings, ctx.s3, ctx.sqs, ctx.engine
         self.bucket = ctx.settings.bucket
-        self.queue_url, self.merger = ctx.queue_url, merger
+        self.queue_url, self.merger = ctx.queue.url, merger
         self.metrics, self.run_engine = ctx.metrics, ctx.run
 
     async def run(self, ref: JobRef, out_of_tries: bool = False) -> JobReport:

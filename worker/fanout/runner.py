@@ -44,10 +44,10 @@ class FanOut:
         self.settings = settings = ctx.settings
         self.bucket = settings.bucket
         self.s3, self.sqs = ctx.s3, ctx.sqs
-        self.queue_url, self.tries, self.dlq_url = ctx.queue_url, ctx.tries, ctx.dlq_url
+        self.queue_url, self.tries, self.dlq_url = ctx.queue.url, ctx.tries, ctx.queue.dlq_url
         self.metrics = ctx.metrics
         self.manifests = ManifestCache()
-        self.merger = Merger(ctx.s3, settings, ctx.metrics, ctx.sqs, ctx.dlq_url)
+        self.merger = Merger(ctx.s3, settings, ctx.metrics, ctx.sqs, ctx.queue.dlq_url)
         self.work = ShardWork(settings, ctx.s3, ctx.engine, ctx.metrics, ctx.run)
         self.splitter = Splitter(ctx, self.merger)
 
