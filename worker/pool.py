@@ -34,7 +34,7 @@ from arbiter.ports import bind
 from arbiter.signals import STOP_SIGNALS
 from worker.context import WorkerContext
 from worker.policies import RestartPolicy
-from worker.protection import InHand, TaskProtection
+from worker.protection import Bounds, InHand, TaskProtection
 from worker.settings import MULTIPROC_ENV, WorkerSettings
 
 
@@ -199,14 +199,13 @@ class Pool:
         """The task's scale-in protection, kept while any worker holds a message."""
         if self.slots is None or self.settings.ecs_agent_uri is None:
             return None
-        protection = TaskProtection(
-            self.settings.ecs_agent_uri,
+        bounds = Bounds(
             self.settings.task_protection_minutes,
             self.settings.task_protection_idle_s,
-            metrics,
             window_s=self.settings.task_protection_window_minutes * 60,
             rest_s=self.settings.task_protection_rest_s,
         )
+        protection = TaskProtection(self.settings.ecs_agent_uri, metrics, bounds)
         slots = self.slots
         return asyncio.create_task(protection.run(lambda: any(slots), self._stopping))
 

@@ -93,9 +93,7 @@ class Consumer:
         self.dispatch = Dispatch(self.fanout, failures, self.metrics)
         self.handler = Handler(ctx, self.dispatch, self.replies, self.uncounted, visibility_limit_s)
         base, most = settings.circuit_probe_s, settings.circuit_probe_max_s
-        self.store = CircuitBreaker(
-            "store", self.metrics, self._probe_store, base, most, probe_first=True
-        )
+        self.store = CircuitBreaker("store", self.metrics, self._probe_store, base, most)
         self.queue_breaker = CircuitBreaker("queue", self.metrics, None, base, most)
 
     async def _probe_store(self) -> None:

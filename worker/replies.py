@@ -49,7 +49,6 @@ async def open_queue(
         probe,
         settings.circuit_probe_s,
         settings.circuit_probe_max_s,
-        probe_first=True,
     )
     if not await breaker.wait(stop):
         return None

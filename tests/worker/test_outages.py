@@ -97,7 +97,7 @@ async def test_the_breaker_opens_once_probes_with_doubling_delays_and_closes_onc
         if answer is not None:
             raise answer
 
-    breaker = CircuitBreaker("store", metrics, probe, base_s=0.05, max_s=1.0, probe_first=True)
+    breaker = CircuitBreaker("store", metrics, probe, base_s=0.05, max_s=1.0)
     stop = asyncio.Event()
     with capture_logs() as logs:
         assert await breaker.wait(stop)  # a fresh worker probes before its first receive
