@@ -74,11 +74,11 @@ fuzz: $(STAMP)
 		tests/arbiter/test_properties.py tests/adapter/test_schemathesis.py \
 		tests/arbiter/test_engine_faults.py::test_concurrent_chat_tokenization_and_scoring_match_a_serial_run
 	$(BIN)/python -m pytest -q --timeout 3600 -m fuzz tests/worker/test_fuzz.py
-	$(BIN)/python -m tests.worker.campaign --seeds $(FUZZ_FAULT_SEEDS) --concurrency 6
+	$(BIN)/python -m tests.faults.campaign --seeds $(FUZZ_FAULT_SEEDS) --concurrency 6
 
 # The fan-out under faults (docs/batch-jobs.md, "Exactly once"): the seeded fault campaign
-# (tests/worker/campaign.py; make test runs 12 of its seeds, make fuzz 3,000), then the black-box
-# runs (tests/worker/blackbox.py: arbiter work and arbiter submit behind a faulty proxy, worker
+# (tests/faults/campaign.py; make test runs 12 of its seeds, make fuzz 3,000), then the black-box
+# runs (tests/faults/blackbox.py: arbiter work and arbiter submit behind a faulty proxy, worker
 # processes SIGKILLed at random; then the same through 150 s of 503s on every S3 request, through
 # SQS answering 503 for 8 s of every 14 s for 3 minutes, and through 150 s of 503s on the shard
 # inputs' GETs alone: about 4 minutes each, mostly waiting out the outage, so the three run at once,
@@ -87,12 +87,12 @@ FAULT_SEEDS ?= 1000:1200
 FUZZ_FAULT_SEEDS ?= 2000:5000
 OUTAGES := outage sqs-flap partial
 faults: $(STAMP)
-	$(BIN)/python -m tests.worker.campaign --seeds $(FAULT_SEEDS) --concurrency 6
-	$(BIN)/python -m tests.worker.blackbox
+	$(BIN)/python -m tests.faults.campaign --seeds $(FAULT_SEEDS) --concurrency 6
+	$(BIN)/python -m tests.faults.blackbox
 	$(MAKE) --no-print-directory -j3 --output-sync=target $(addprefix faults-,$(OUTAGES))
 
 $(addprefix faults-,$(OUTAGES)): faults-%: $(STAMP)
-	$(BIN)/python -m tests.worker.blackbox --scenario $*
+	$(BIN)/python -m tests.faults.blackbox --scenario $*
 
 bench: $(STAMP)
 	$(BIN)/arbiter bench engine

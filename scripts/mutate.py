@@ -303,7 +303,7 @@ MUTATIONS = (
     ),
     Mutation(
         "outage-spends-no-try",
-        "worker/dispatch.py",
+        "worker/failures.py",
         "        if failed.fault.counts:\n",
         "        if True:\n",
         (
@@ -1054,7 +1054,9 @@ MUTATIONS = (
         "refused-before-the-split",
         "worker/fanout/split.py",
         '    if not fits_unread(ref.key, found.head.get("ContentLength"), shard_lines):\n'
-        "        await count_shards(s3, ref, found, settings, shard_lines)  # refused before any write\n",
+        "        whole = await precount(s3, found, settings, shard_lines)  # refused before any upload\n"
+        "        if whole is not None:\n"
+        "            return whole\n",
         "",
         (
             "tests/worker/test_fanout_faults.py::"
@@ -1100,14 +1102,14 @@ MUTATIONS = (
     Mutation(
         "lost-lease-not-a-try",
         "worker/handling.py",
-        "                lambda why: self.uncounted.record(message, why),\n",
+        "                lambda why: self.uncounted.record(receive, why),\n",
         "                None,\n",
         (QUEUE_OUTAGES + "test_a_lease_lost_to_an_sqs_outage_spends_no_try_and_its_job_goes_on",),
     ),
     Mutation(
         "queue-fault-not-a-try",
         "worker/replies.py",
-        '            await self._uncounted(message, f"its release was not sent: {error}")\n',
+        '            await self._uncounted(receive, f"its release was not sent: {error}")\n',
         "",
         (QUEUE_OUTAGES + "test_a_receive_given_back_while_sqs_is_down_spends_no_try",),
     ),
@@ -1167,8 +1169,8 @@ MUTATIONS = (
     Mutation(
         "whole-job-clears-its-records",
         "worker/handling.py",
-        "                await self.uncounted.clear(message)  # a job run whole leaves no folder to go with\n",
-        "                pass\n",
+        "            await self.uncounted.clear(receive, lease.lost is not None)  # a job run whole too\n",
+        "",
         (QUEUE_OUTAGES + "test_a_job_run_whole_leaves_no_record_of_its_uncounted_receives",),
     ),
     Mutation(
@@ -1180,9 +1182,9 @@ MUTATIONS = (
     ),
     Mutation(
         "a-failed-try-counts",
-        "worker/handling.py",
-        "                    await self.uncounted.forget(message)\n",
-        "                    pass\n",
+        "worker/failures.py",
+        "            await self.uncounted.forget(receive)\n",
+        "            pass\n",
         (QUEUE_OUTAGES + "test_a_try_that_fails_on_its_own_counts_even_if_its_lease_was_lost",),
     ),
     Mutation(
@@ -1205,7 +1207,7 @@ MUTATIONS = (
     Mutation(
         "no-record-after-the-end",
         "worker/uncounted.py",
-        "            if await self._ended(message):  # its end may have deleted the folder already\n"
+        "            if await self._ended(receive):  # its end may have deleted the folder already\n"
         "                await delete_quietly(self.s3, self.settings.bucket, key)\n",
         "",
         (QUEUE_OUTAGES + "test_a_receive_recorded_after_its_jobs_end_leaves_nothing",),
@@ -1224,7 +1226,7 @@ MUTATIONS = (
     # the seed of make faults' (CI's 1000:1020) that has the fault).
     Mutation(
         "store-fault-counted-campaign",
-        "worker/dispatch.py",
+        "worker/failures.py",
         "        if failed.fault.counts:\n",
         "        if True:\n",
         (CAMPAIGN,),
@@ -1245,7 +1247,7 @@ MUTATIONS = (
     Mutation(
         "lost-lease-counted-campaign",
         "worker/handling.py",
-        "                lambda why: self.uncounted.record(message, why),\n",
+        "                lambda why: self.uncounted.record(receive, why),\n",
         "                None,\n",
         # The campaign alone is not a sure catch: on the seeds of make faults' 1000:1200 that allow
         # one try while SQS flaps (CI's 1000:1020 has four) it failed 1 of 2 mutate runs here
@@ -1578,7 +1580,7 @@ MUTATIONS = (
     Mutation(
         "first-past-the-tries-leaves-the-holder",
         "worker/fanout/runner.py",
-        "            if delivery.reason is None and self.tries.first_past(count):",
+        "            if receive.reason is None and self.tries.first_past(count):",
         "            if False:",
         (
             "tests/worker/test_last_look.py::"

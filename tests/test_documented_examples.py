@@ -52,7 +52,7 @@ NOT_RUN = {
     ),
     (
         "docs/fanout.md",
-        "tests.worker.blackbox",
+        "tests.faults.blackbox",
     ): "the checkout's tests, not the wheel's: make faults",
     ("docs/models.md", "models install"): "downloads a 1.1 GB model (make run installs it)",
     ("docs/models.md", "package-model --gguf base-q4_k_m.gguf"): "packs your own GGUF and adapter",

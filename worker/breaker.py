@@ -40,7 +40,6 @@ class CircuitBreaker:
         probe: Probe | None = None,
         base_s: float = 1.0,
         max_s: float = 30.0,
-        probe_first: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.dependency, self.metrics, self.probe = dependency, metrics, probe
@@ -48,7 +47,7 @@ class CircuitBreaker:
         self.opened_at: float | None = None
         self.retry_at = 0.0
         self.failures = 0  # in a row, since a message last succeeded
-        self._unknown = probe_first and probe is not None
+        self._unknown = probe is not None  # a breaker with a probe probes before its first use
         self.metrics.circuit_open.labels(dependency).set(0)
 
     @property

@@ -2,7 +2,7 @@
 
 A message is deleted only after every job it announces has its results and summary written (or is
 found already done, superseded, or ignorable; a shard or merge message: its step done). A failed
-receive is answered by :class:`~worker.dispatch.Dispatch` after its fault (:mod:`worker.faults`):
+receive is answered by :class:`~worker.failures.Failures` after its fault (:mod:`worker.faults`):
 a failure of the work backs off and counts towards the message's tries (:mod:`worker.tries`), a
 store or queue fault gives the message back without counting. A job no retry can fix (its input is
 gone) and a body that is no job at all go to the dead-letter queue at their first receive.
@@ -13,8 +13,9 @@ the queue stops nothing: the receive is recorded as uncounted (:mod:`worker.unco
 goes on and writes its outcome, and a message SQS gave to another worker meanwhile is left to that
 worker's answer. A worker that dies stops renewing, and the message returns after the timeout.
 
-A receive's number (:class:`~worker.tries.Receive`) is SQS's count less the receives of its
-message that met a queue fault (:meth:`worker.uncounted.Uncounted.receive`).
+The message is read once (:meth:`worker.tries.Receive.read`: its body parsed) and that one
+:class:`~worker.tries.Receive` is what every step is handed. Its number is SQS's count less the
+receives of its message that met a queue fault (:meth:`worker.uncounted.Uncounted.counted`).
 """
 
 from __future__ import annotations
@@ -24,16 +25,13 @@ from typing import Any
 
 import structlog
 
-from worker.dispatch import Dispatch, Failed
-from worker.events import UnreadableMessage, parse_message
-from worker.fanout import Delivery
-from worker.faults import classify
-from worker.jobs import JobFailed, LastTryMayRun, OutOfTries
+from worker.context import WorkerContext
+from worker.dispatch import Dispatch
+from worker.failures import Failed
+from worker.jobs import JobFailed
 from worker.lease import Lease, LeaseLost, stop_together
-from worker.metrics import WorkerMetrics
-from worker.replies import QueueInfo, Replies
-from worker.settings import WorkerSettings
-from worker.tries import Receive, Tries
+from worker.replies import Replies
+from worker.tries import Receive
 from worker.uncounted import Uncounted
 
 log = structlog.get_logger("arbiter.worker")
@@ -70,28 +68,33 @@ class Handler:
 
     def __init__(
         self,
-        settings: WorkerSettings,
-        sqs: Any,
-        queue: QueueInfo,
-        tries: Tries,
+        ctx: WorkerContext,
         dispatch: Dispatch,
         replies: Replies,
-        metrics: WorkerMetrics,
-        visibility_limit_s: float,
         uncounted: Uncounted,
+        visibility_limit_s: float,
     ) -> None:
-        self.settings, self.sqs, self.queue, self.tries = settings, sqs, queue, tries
-        self.dispatch, self.replies, self.metrics = dispatch, replies, metrics
-        self.visibility_limit_s, self.uncounted = visibility_limit_s, uncounted
+        self.ctx, self.settings, self.metrics = ctx, ctx.settings, ctx.metrics
+        self.dispatch, self.replies, self.uncounted = dispatch, replies, uncounted
+        self.failures = dispatch.failures
+        self.tries = self.failures.tries
+        self.visibility_limit_s = visibility_limit_s
         # Each message in hand's receive as counted (read again by a release at the drain).
         self.receives: dict[str, Receive] = {}
 
+    def read(self, message: dict[str, Any]) -> Receive:
+        """This receive of ``message``, its body parsed (once: every step is handed this)."""
+        settings = self.settings
+        return Receive.read(message, bucket=settings.bucket, input_prefix=settings.input_prefix)
+
     async def _receive(self, message: dict[str, Any]) -> Receive:
+        read = self.read(message)
+        self.receives[message["ReceiptHandle"]] = read  # counted next (a drain may come first)
         try:
-            receive = await self.uncounted.receive(message, self.tries)
+            receive = await self.uncounted.counted(read, self.tries)
         except Exception as exc:  # S3 cannot say: SQS's count stands (it only counts more)
             log.warning("receive.uncounted_unread", error=f"{type(exc).__name__}: {exc}")
-            receive = Receive.of(message)
+            receive = read
         self.receives[message["ReceiptHandle"]] = receive
         return receive
 
@@ -102,30 +105,20 @@ class Handler:
             message_id=message.get("MessageId"), receive_count=receive.count
         )
         with bound:
-            try:
-                entries = parse_message(
-                    message["Body"],
-                    bucket=self.settings.bucket,
-                    input_prefix=self.settings.input_prefix,
-                )
-            except UnreadableMessage as exc:
-                log.error("message.unreadable", reason=str(exc))
+            if receive.unreadable is not None:
+                log.error("message.unreadable", reason=receive.unreadable)
                 self.metrics.jobs.labels("unreadable").inc()
-                await self.replies.dead_letter(message, "unreadable")
+                await self.replies.dead_letter(receive, "unreadable")
                 return None
             lease = Lease(
-                self.sqs,
-                self.queue.url,
-                message,
-                self.settings,
-                self.metrics,
+                self.ctx,
+                receive,
                 received_at,
                 self.visibility_limit_s,
-                lambda why: self.uncounted.record(message, why),
+                lambda why: self.uncounted.record(receive, why),
             )
             keeper = asyncio.create_task(lease.keep())
-            delivery = Delivery(message.get("MessageId"), receive.count)
-            work = asyncio.create_task(self.dispatch.run_all(entries, delivery))
+            work = asyncio.create_task(self.dispatch.run_all(receive))
             try:
                 await asyncio.wait({keeper, work}, return_when=asyncio.FIRST_COMPLETED)
                 if not work.done() and not stops_work(keeper):
@@ -139,44 +132,17 @@ class Handler:
                 log.error("job.lease_lost", reason=str(error))
                 if lease_gone(keeper):
                     return None  # deleted, or another worker's now: nothing to answer
-                return await self.dispatch.fail(message, entries, receive, error)
+                return await self.failures.answer(receive, error)
             if lease_gone(keeper):  # it went on after an outage; the message is another's now
                 self.metrics.jobs.labels("lease_lost").inc()
                 log.warning("job.lease_lost", reason=keeper.result().reason, answered=False)
                 return None
             failure = work.exception()
-            if isinstance(failure, OutOfTries):
-                await self._out_of_tries(message, receive, failure)
-            elif isinstance(failure, LastTryMayRun):
-                # Left to the holder it may have: neither deleted (that would end its lease, and
-                # its work with it) nor copied; back in two visibility timeouts unless it finishes.
-                delay = 2 * self.settings.visibility_timeout_s
-                log.warning("shard.last_look", reason=str(failure), retry_in_s=delay)
-                await self.replies.back_off(message, delay)
-                return None
-            elif failure is not None:
-                if lease.lost is not None and classify(failure).counts:
-                    # Its lease was lost to the queue, but the work failed on its own: a try.
-                    await self.uncounted.forget(message)
-                return await self.dispatch.fail(message, entries, receive, failure)
-            elif work.result():
-                await self.replies.dead_letter(message, "permanent")
+            if failure is not None:
+                return await self.failures.answer(receive, failure, lease.lost is not None)
+            if work.result():
+                await self.replies.dead_letter(receive, "permanent")
             else:
-                await self.replies.delete(message)
-            if lease.lost is not None or receive.raw > 1 or receive.count > receive.raw:
-                await self.uncounted.clear(message)  # a job run whole leaves no folder to go with
+                await self.replies.delete(receive)
+            await self.uncounted.clear(receive, lease.lost is not None)  # a job run whole too
             return None
-
-    async def _out_of_tries(
-        self, message: dict[str, Any], receive: Receive, error: Exception
-    ) -> None:
-        """A job message past its tries, its job neither finished nor split: one last look after
-        two visibility timeouts (a slow holder the message was shown again behind may yet finish
-        or split it), then the dead-letter queue."""
-        if receive.last_look:
-            log.error("job.out_of_tries", tries=self.tries.limit, reason=str(error))
-            await self.replies.dead_letter(message, "max_receives")
-            return
-        delay = 2 * self.settings.visibility_timeout_s
-        log.warning("job.last_look", tries=self.tries.limit, retry_in_s=delay)
-        await self.replies.release(message, self.tries.carried(receive, last_look=True), delay)

@@ -1,5 +1,9 @@
 """One job: stream an input object from S3, score it in chunks, write results and summary back.
 
+A job is located once (:func:`locate`: one HeadObject of its input, and its summary looked for)
+and read once: from S3 (:func:`s3_items`), or, for a job the splitter read to cut and found within
+one shard, from the spool the splitter wrote (:class:`worker.fanout.split.Whole`).
+
 The input is read in bounded pieces by :mod:`worker.formats` and never held whole; items are scored
 ``chunk_decisions`` at a time (or fewer, once a chunk holds ``chunk_mb`` of input) through
 :meth:`Engine.score`, which groups each chunk's decisions by state so every state is prefilled once
@@ -19,6 +23,7 @@ decision it is given. A job no retry can fix (its input is gone) is rejected.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import json
 import os
@@ -28,6 +33,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import IO, Any
@@ -57,6 +63,8 @@ from worker.settings import WorkerSettings
 
 # Runs a blocking engine call off the event loop: ``await run(fn, *args)`` (``thread_offload``).
 Offload = Callable[..., Awaitable[Any]]
+# Opens a job's items for one read, and closes what it opened at the end.
+Source = Callable[[], AbstractAsyncContextManager[AsyncIterator[Item]]]
 
 
 class JobFailed(Exception):
@@ -238,6 +246,7 @@ async def write_records(
 class Located:
     """A job's input version (HeadObject's answer) and its output keys."""
 
+    ref: JobRef
     head_kw: dict[str, Any]
     head: dict[str, Any]
     etag: str
@@ -271,11 +280,12 @@ async def locate(s3: Any, ref: JobRef, settings: WorkerSettings) -> Located | Jo
     keys = output_keys(settings, ref.key, etag)
     if await exists(s3, settings.bucket, keys.summary):
         return JobReport("duplicate", ref, keys, etag=etag)
-    return Located(head_kw, head, etag, keys)
+    return Located(ref, head_kw, head, etag, keys)
 
 
-async def open_input(s3: Any, ref: JobRef, found: Located) -> Any:
+async def open_input(s3: Any, found: Located) -> Any:
     """GetObject of exactly the version located (``If-Match`` on its ETag)."""
+    ref = found.ref
     try:
         return await s3.get_object(**found.head_kw, IfMatch=f'"{found.etag}"')
     except ClientError as exc:
@@ -285,6 +295,18 @@ async def open_input(s3: Any, ref: JobRef, found: Located) -> Any:
         if is_object_denied(exc):
             raise InputDenied(f"the input {where} cannot be read: {exc}", found.keys) from exc
         raise
+
+
+def s3_items(s3: Any, found: Located, settings: WorkerSettings) -> Source:
+    """The job's items read from S3: one GetObject of the version located, streamed."""
+
+    @contextlib.asynccontextmanager
+    async def read() -> AsyncIterator[AsyncIterator[Item]]:
+        response = await open_input(s3, found)
+        async with response["Body"] as body:
+            yield items_for(found.ref.key, raw_chunks(body), settings.max_line_bytes)
+
+    return read
 
 
 async def write_rejection(s3: Any, bucket: str, ref: Ref, rejected: JobRejected) -> None:
@@ -344,30 +366,44 @@ async def run_job(
     metrics: Any = None,
     run: Offload | None = None,
 ) -> JobReport:
-    """Process one input object; idempotent per (key, ETag). Raises :class:`JobFailed` (or a
-    botocore error) when it should be retried, :class:`JobRejected` when no retry can help.
-    ``run`` runs engine calls off the event loop (default: ``asyncio.to_thread``)."""
-    started = time.perf_counter()
+    """Locate one input object and run it whole, read from S3 (:func:`run_located`)."""
     found = await locate(s3, ref, settings)
     if isinstance(found, JobReport):
         return found
-    head, etag, keys = found.head, found.etag, found.keys
+    return await run_located(
+        s3, engine, found, s3_items(s3, found, settings), settings, metrics, run
+    )
+
+
+async def run_located(
+    s3: Any,
+    engine: Scorer,
+    found: Located,
+    source: Source,
+    settings: WorkerSettings,
+    metrics: Any = None,
+    run: Offload | None = None,
+) -> JobReport:
+    """Run the job located as ``found`` whole, its items read once from ``source``; idempotent
+    per (key, ETag). Raises :class:`JobFailed` (or a botocore error) when it should be retried,
+    :class:`JobRejected` when no retry can help. ``run`` runs engine calls off the event loop
+    (default: ``asyncio.to_thread``)."""
+    started = time.perf_counter()
+    ref, head, etag, keys = found.ref, found.head, found.etag, found.keys
     model: Any = engine.model_info.model_dump(mode="json")
     written = False
     if not await exists(s3, settings.bucket, keys.results):
-        response = await open_input(s3, ref, found)
-        progress = Progress(s3, settings.bucket, keys.status)
-        try:
-            await progress(0, 0)
-            with tempfile.TemporaryFile(dir=settings.tmp_dir) as spool:
-                async with response["Body"] as body:
-                    items = items_for(ref.key, raw_chunks(body), settings.max_line_bytes)
+        async with source() as items:  # opened first: a read refused writes nothing
+            progress = Progress(s3, settings.bucket, keys.status)
+            try:
+                await progress(0, 0)
+                with tempfile.TemporaryFile(dir=settings.tmp_dir) as spool:
                     tally = await write_records(
                         engine, items, spool, settings, metrics, run, progress=progress
                     )
-                written = await upload_spool(s3, settings, keys.results, spool, exclusive=True)
-        finally:
-            await asyncio.shield(progress.clear())
+                    written = await upload_spool(s3, settings, keys.results, spool, exclusive=True)
+            finally:
+                await asyncio.shield(progress.clear())
     if not written:  # results of an earlier attempt (or ours, answer lost): describe those
         tally, found_model = await tally_results(s3, settings.bucket, keys.results)
         model = found_model or model

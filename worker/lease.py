@@ -30,10 +30,11 @@ from typing import Any
 import structlog
 from botocore.exceptions import ClientError
 
+from worker.context import WorkerContext
 from worker.faults import Fault
 from worker.metrics import WorkerMetrics
 from worker.policies import SQS_MAX_VISIBILITY_S, lease_extension
-from worker.settings import WorkerSettings
+from worker.tries import Receive
 
 log = structlog.get_logger("arbiter.worker")
 
@@ -67,20 +68,17 @@ class Lease:
 
     def __init__(
         self,
-        sqs: Any,
-        queue_url: str,
-        message: dict[str, Any],
-        settings: WorkerSettings,
-        metrics: WorkerMetrics,
+        ctx: WorkerContext,
+        receive: Receive,
         received_at: float,
         limit_s: float = SQS_MAX_VISIBILITY_S,
         on_lost: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
-        self.sqs = sqs
-        self.queue_url = queue_url
-        self.receipt = message["ReceiptHandle"]
-        self.settings = settings
-        self.metrics = metrics
+        self.sqs = ctx.sqs
+        self.queue_url = ctx.queue.url
+        self.receipt = receive.message["ReceiptHandle"]
+        self.settings = settings = ctx.settings
+        self.metrics: WorkerMetrics = ctx.metrics
         self.received_at = received_at
         self.limit_s = limit_s
         self.until = received_at + settings.visibility_timeout_s

@@ -32,8 +32,9 @@ import structlog
 from arbiter.logging import configure
 from arbiter.ports import bind
 from arbiter.signals import STOP_SIGNALS
+from worker.context import WorkerContext
 from worker.policies import RestartPolicy
-from worker.protection import InHand, TaskProtection
+from worker.protection import Bounds, InHand, TaskProtection
 from worker.settings import MULTIPROC_ENV, WorkerSettings
 
 
@@ -106,7 +107,8 @@ async def _worker(settings: WorkerSettings, in_hand: InHand | None = None) -> No
         queue = await open_queue(sqs, settings, metrics, stop)
         if queue is None:
             return
-        consumer = Consumer(settings, s3, sqs, engine, queue, metrics, in_hand=in_hand)
+        ctx = WorkerContext(settings, s3, sqs, engine, queue, metrics=metrics)
+        consumer = Consumer(ctx, in_hand=in_hand)
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, consumer.stop)
         if stop.is_set():
@@ -197,14 +199,13 @@ class Pool:
         """The task's scale-in protection, kept while any worker holds a message."""
         if self.slots is None or self.settings.ecs_agent_uri is None:
             return None
-        protection = TaskProtection(
-            self.settings.ecs_agent_uri,
+        bounds = Bounds(
             self.settings.task_protection_minutes,
             self.settings.task_protection_idle_s,
-            metrics,
             window_s=self.settings.task_protection_window_minutes * 60,
             rest_s=self.settings.task_protection_rest_s,
         )
+        protection = TaskProtection(self.settings.ecs_agent_uri, metrics, bounds)
         slots = self.slots
         return asyncio.create_task(protection.run(lambda: any(slots), self._stopping))
 

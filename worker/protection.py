@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -54,23 +55,28 @@ class ProtectionRefused(Exception):
     """The agent answered, but did not set the protection (its ``failure`` or ``error``)."""
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """How long a protection is asked for (``minutes``), how long the task may be idle before it
+    is cleared, how long one busy stretch is protected at most and the rest after it (see the
+    module doc), and the agent call's timeout and the wait after a failed one."""
+
+    minutes: int
+    idle_s: float
+    window_s: float = 900.0
+    rest_s: float = 120.0
+    timeout_s: float = 5.0
+    retry_s: float = 30.0
+
+
 class TaskProtection:
     """Keeps the task protected while :meth:`update` is told it is busy; see the module doc."""
 
-    def __init__(
-        self,
-        agent_uri: str,
-        minutes: int,
-        idle_s: float,
-        metrics: Any,
-        timeout_s: float = 5.0,
-        retry_s: float = 30.0,
-        window_s: float = 900.0,
-        rest_s: float = 120.0,
-    ) -> None:
+    def __init__(self, agent_uri: str, metrics: Any, bounds: Bounds) -> None:
         self.url = agent_uri.rstrip("/") + PATH
-        self.minutes, self.idle_s, self.metrics = minutes, idle_s, metrics
-        self.window_s, self.rest_s = window_s, rest_s
+        self.minutes, self.idle_s, self.metrics = bounds.minutes, bounds.idle_s, metrics
+        self.window_s, self.rest_s = bounds.window_s, bounds.rest_s
+        timeout_s, retry_s = bounds.timeout_s, bounds.retry_s
         self.since: float | None = None  # when the protection now held was set (its window's start)
         self.rest_until = 0.0  # after a window, not protected again before this
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,17 +24,17 @@ from typing import Any
 
 import structlog
 
-from arbiter.scorer import Scorer
 from worker.breaker import CircuitBreaker
+from worker.context import QueueInfo, WorkerContext
 from worker.dispatch import Dispatch
+from worker.failures import Failures
 from worker.fanout import FanOut
 from worker.faults import Fault, describe
 from worker.handling import Handler
 from worker.jobs import thread_offload
 from worker.metrics import WorkerMetrics
 from worker.policies import SQS_MAX_VISIBILITY_S, DrainDeadline
-from worker.replies import QueueInfo, Replies, describe_queue, open_queue
-from worker.settings import WorkerSettings
+from worker.replies import Replies, describe_queue, open_queue
 from worker.tries import ATTRIBUTES, Receive
 from worker.uncounted import Uncounted
 
@@ -57,23 +58,16 @@ class Consumer:
 
     def __init__(
         self,
-        settings: WorkerSettings,
-        s3: Any,
-        sqs: Any,
-        engine: Scorer,
-        queue: QueueInfo,
-        metrics: WorkerMetrics | None = None,
+        ctx: WorkerContext,
         visibility_limit_s: float = SQS_MAX_VISIBILITY_S,
         in_hand: Callable[[bool], None] | None = None,
     ) -> None:
-        self.settings = settings
+        settings, s3, sqs, queue = ctx.settings, ctx.s3, ctx.sqs, ctx.queue
+        self.settings, self.s3, self.sqs, self.queue = settings, s3, sqs, queue
+        self.engine = ctx.engine
         # Told True while a message is held, False after (the pool's task protection).
         self.in_hand = in_hand or (lambda holding: None)
-        self.s3 = s3
-        self.sqs = sqs
-        self.engine = engine
-        self.queue = queue
-        self.metrics = metrics or WorkerMetrics(registry=None)
+        self.metrics: WorkerMetrics = ctx.metrics or WorkerMetrics(registry=None)
         self.drain = DrainDeadline(settings.drain_deadline_s)
         self._stop = asyncio.Event()
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="arbiter-engine")
@@ -86,35 +80,20 @@ class Consumer:
                 hint="set the queue's maxReceiveCount to ARBITER_MAX_RECEIVE_COUNT + 3, so the "
                 "worker sees the receive after a message's last try",
             )
+        # The context as its parts read it: the tries on this queue, the engine's own thread.
+        ctx = dataclasses.replace(
+            ctx, tries=self.tries, metrics=self.metrics, run=thread_offload(self._engine_thread)
+        )
         self.uncounted = Uncounted(s3, settings)
         self.replies = Replies(sqs, queue, self.metrics, self.uncounted)
-        self.fanout = FanOut(
-            settings,
-            s3,
-            sqs,
-            engine,
-            queue.url,
-            self.tries,
-            queue.dlq_url,
-            self.metrics,
-            thread_offload(self._engine_thread),
+        self.fanout = FanOut(ctx)
+        failures = Failures(
+            settings, self.fanout, self.replies, self.uncounted, self.metrics, self.tries
         )
-        self.dispatch = Dispatch(self.fanout, self.replies, self.metrics, self.tries)
-        self.handler = Handler(
-            settings,
-            sqs,
-            queue,
-            self.tries,
-            self.dispatch,
-            self.replies,
-            self.metrics,
-            visibility_limit_s,
-            self.uncounted,
-        )
+        self.dispatch = Dispatch(self.fanout, failures, self.metrics)
+        self.handler = Handler(ctx, self.dispatch, self.replies, self.uncounted, visibility_limit_s)
         base, most = settings.circuit_probe_s, settings.circuit_probe_max_s
-        self.store = CircuitBreaker(
-            "store", self.metrics, self._probe_store, base, most, probe_first=True
-        )
+        self.store = CircuitBreaker("store", self.metrics, self._probe_store, base, most)
         self.queue_breaker = CircuitBreaker("queue", self.metrics, None, base, most)
 
     async def _probe_store(self) -> None:
@@ -198,8 +177,9 @@ class Consumer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            receive = self.handler.receives.get(message["ReceiptHandle"]) or Receive.of(message)
-            await self.replies.release(message, self.tries.carried(receive))
+            receive = self.handler.receives.get(message["ReceiptHandle"])
+            receive = receive or self.handler.read(message)
+            await self.replies.release(receive, self.tries.carried(receive))
             return
         try:
             await task

@@ -1,6 +1,6 @@
-"""The queue as one worker sees it, and what it answers SQS about a received message: delete it,
-back it off, give it back, or dead-letter it. Which of these a failed receive gets is the tries'
-(:mod:`worker.tries`) and the fault's (:mod:`worker.faults`) to say.
+"""The queue as one worker finds it (its :class:`~worker.context.QueueInfo`), and what it answers
+SQS about a received message: delete it, back it off, give it back, or dead-letter it. Which of
+these a failed receive gets is :mod:`worker.failures`'s to say.
 """
 
 from __future__ import annotations
@@ -8,39 +8,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from worker.breaker import CircuitBreaker
+from worker.context import QueueInfo
 from worker.faults import Fault, classify
 from worker.metrics import WorkerMetrics
-from worker.policies import ExponentialBackoff
 from worker.settings import WorkerSettings
-from worker.tries import SQS_MAX_DELAY_S, Tries
+from worker.tries import SQS_MAX_DELAY_S, Receive
 from worker.uncounted import Uncounted
 
 log = structlog.get_logger("arbiter.worker")
-
-
-@dataclass(frozen=True)
-class QueueInfo:
-    """The job queue: its URL, its redrive policy's ``maxReceiveCount`` and dead-letter queue."""
-
-    url: str
-    max_receive_count: int | None
-    dlq_url: str | None
-
-    def tries(self, settings: WorkerSettings) -> Tries:
-        """The worker's tries on this queue (:mod:`worker.tries`)."""
-        return Tries(
-            settings.max_receive_count,
-            self.max_receive_count,
-            ExponentialBackoff(settings.backoff_base_s, settings.backoff_max_s),
-            settings.max_outage_s,
-            settings.circuit_probe_max_s + settings.wait_time_s,
-        )
 
 
 async def open_queue(
@@ -69,7 +49,6 @@ async def open_queue(
         probe,
         settings.circuit_probe_s,
         settings.circuit_probe_max_s,
-        probe_first=True,
     )
     if not await breaker.wait(stop):
         return None
@@ -105,34 +84,34 @@ class Replies:
     ) -> None:
         self.sqs, self.queue, self.metrics, self.uncounted = sqs, queue, metrics, uncounted
 
-    async def _uncounted(self, message: dict[str, Any], why: str) -> None:
+    async def _uncounted(self, receive: Receive, why: str) -> None:
         if self.uncounted is not None:
-            await self.uncounted.record(message, why)
+            await self.uncounted.record(receive, why)
 
-    async def delete(self, message: dict[str, Any]) -> None:
+    async def delete(self, receive: Receive) -> None:
         """Delete the message; a delete SQS does not take needs no record: the message comes back
         to find its work done (an outcome, a summary), whatever its count says."""
         await asyncio.shield(
-            self.sqs.delete_message(QueueUrl=self.queue.url, ReceiptHandle=message["ReceiptHandle"])
+            self.sqs.delete_message(
+                QueueUrl=self.queue.url, ReceiptHandle=receive.message["ReceiptHandle"]
+            )
         )
 
-    async def back_off(self, message: dict[str, Any], seconds: int) -> None:
+    async def back_off(self, receive: Receive, seconds: int) -> None:
         """Make the message visible again after ``seconds`` (it returns after its visibility
         timeout anyway if SQS cannot be told)."""
         try:
             await asyncio.shield(
                 self.sqs.change_message_visibility(
                     QueueUrl=self.queue.url,
-                    ReceiptHandle=message["ReceiptHandle"],
+                    ReceiptHandle=receive.message["ReceiptHandle"],
                     VisibilityTimeout=seconds,
                 )
             )
         except Exception as exc:
             log.warning("visibility.change_failed", error=str(exc))
 
-    async def release(
-        self, message: dict[str, Any], attributes: dict[str, Any], delay_s: int = 0
-    ) -> bool:
+    async def release(self, receive: Receive, attributes: dict[str, Any], delay_s: int = 0) -> bool:
         """Give the message back, for another worker, after ``delay_s``: sent again as a new
         message with ``attributes`` (what the tries carry over, :meth:`worker.tries.Tries.carried`),
         then deleted, so the receive is not counted. If the copy cannot be sent, the receive is
@@ -142,7 +121,7 @@ class Replies:
             await asyncio.shield(
                 self.sqs.send_message(
                     QueueUrl=self.queue.url,
-                    MessageBody=message["Body"],
+                    MessageBody=receive.message["Body"],
                     DelaySeconds=min(SQS_MAX_DELAY_S, delay_s),
                     MessageAttributes=attributes,
                 )
@@ -150,19 +129,20 @@ class Replies:
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             log.warning("release.resend_failed", error=error)
-            await self._uncounted(message, f"its release was not sent: {error}")
-            await self.back_off(message, delay_s)
+            await self._uncounted(receive, f"its release was not sent: {error}")
+            await self.back_off(receive, delay_s)
             return False
         with contextlib.suppress(Exception):  # a copy left over is a harmless duplicate
-            await self.delete(message)
+            await self.delete(receive)
         log.info("job.released", retry_in_s=delay_s)
         return True
 
-    async def dead_letter(self, message: dict[str, Any], reason: str) -> None:
+    async def dead_letter(self, receive: Receive, reason: str) -> None:
         """To the DLQ at once when there is one (then deleted): a message no retry can fix, or
         one out of tries. Without a DLQ, a message no retry can fix is dropped (and logged)."""
         if self.queue.dlq_url:
-            await self.sqs.send_message(QueueUrl=self.queue.dlq_url, MessageBody=message["Body"])
+            body = receive.message["Body"]
+            await self.sqs.send_message(QueueUrl=self.queue.dlq_url, MessageBody=body)
             self.metrics.dlq_moves.labels(reason).inc()
         log.error("message.dead_lettered", reason=reason, dlq=bool(self.queue.dlq_url))
-        await self.delete(message)
+        await self.delete(receive)

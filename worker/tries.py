@@ -33,10 +33,12 @@ retention would drop it silently.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker.events import Ignored, Ref, UnreadableMessage, parse_message
 from worker.policies import ExponentialBackoff
 
 REDRIVE_MARGIN = 3  # receives the queue's redrive allows beyond the worker's own tries
@@ -60,7 +62,10 @@ def _number(message: dict[str, Any], name: str) -> float | None:
 
 @dataclass(frozen=True)
 class Receive:
-    """One receive of a message, as the tries see it."""
+    """One receive of a message: the message as SQS gave it, its body parsed once
+    (:meth:`read`), and its number as the tries count it. The one object the handler, the
+    uncounted records, the dispatch, the answers and the fan-out are handed (the fan-out reads its
+    number and, for a give-up decided before it runs, its reason)."""
 
     count: int  # its number among the message's counted tries
     outages: int = 0  # earlier receives given back for a fault not the work's
@@ -68,9 +73,30 @@ class Receive:
     outage_last: float | None = None  # when its last store or queue fault was
     last_look: bool = False
     raw: int = 1  # SQS's ApproximateReceiveCount: this receive of this message
+    message_id: str | None = None  # stable across redeliveries
+    reason: str | None = None  # why the tries ended, where the worker gave them up itself
+    message: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    entries: tuple[Ref | Ignored, ...] = ()  # what its body announces (:meth:`read`)
+    unreadable: str | None = None  # why its body is no message the worker reads
+
+    @classmethod
+    def read(cls, message: dict[str, Any], *, bucket: str, input_prefix: str) -> Receive:
+        """This receive of ``message``, its body parsed (the only parse of it)."""
+        receive = cls.of(message)
+        try:
+            entries = parse_message(message["Body"], bucket=bucket, input_prefix=input_prefix)
+        except UnreadableMessage as exc:
+            return dataclasses.replace(receive, unreadable=str(exc))
+        return dataclasses.replace(receive, entries=tuple(entries))
+
+    @property
+    def refs(self) -> list[Ref]:
+        """The jobs, shards and merges the message announces (its ignored entries left out)."""
+        return [e for e in self.entries if not isinstance(e, Ignored)]
 
     @classmethod
     def of(cls, message: dict[str, Any]) -> Receive:
+        """This receive's number alone, its body not read."""
         raw = int(message.get("Attributes", {}).get("ApproximateReceiveCount", "1"))
         count = raw + max(0, int(_number(message, FAILED_RECEIVES) or 0))
         last = _number(message, OUTAGE_LAST)
@@ -81,6 +107,8 @@ class Receive:
             outage_last=last if last is not None else _number(message, OUTAGE_SINCE),
             last_look=LAST_LOOK in message.get("MessageAttributes", {}),
             raw=raw,
+            message_id=message.get("MessageId"),
+            message=message,
         )
 
 

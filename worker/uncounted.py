@@ -8,7 +8,7 @@ of the work, yet each one counted, and a receive past the tries fails a shard wi
 until SQS answers cannot fix it, since SQS shows it again on its own clock once the visibility is
 out; so the worker writes down, in S3 (which an SQS outage leaves up), each receive that met a
 queue fault, at the moment it knows: ``<folder>uncounted/<message id>.<receive>``. A receive's
-number is then SQS's count less those records (:func:`Uncounted.receive`), read only when the
+number is then SQS's count less those records (:meth:`Uncounted.counted`), read only when the
 count reaches the tries (nothing is listed on the healthy path, and nothing is written).
 
 A direct ``{bucket, key}`` message names no ETag and so no folder: it is never recorded. Records
@@ -25,7 +25,7 @@ from typing import Any
 
 import structlog
 
-from worker.events import Ignored, JobRef, Ref, UnreadableMessage, parse_message
+from worker.events import JobRef, Ref
 from worker.fanout.keys import JobFolder, job_folder
 from worker.faults import describe
 from worker.outputs import output_keys
@@ -36,75 +36,72 @@ from worker.tries import Receive, Tries
 log = structlog.get_logger("arbiter.worker")
 
 
+def _ref(receive: Receive) -> Ref | None:
+    """The message's first job, shard or merge; None if it names none with a folder."""
+    refs = receive.refs
+    if not refs or (isinstance(refs[0], JobRef) and not refs[0].etag):
+        return None
+    return refs[0]
+
+
 class Uncounted:
-    """Records and reads the uncounted receives of messages (see the module doc)."""
+    """Records and reads the uncounted receives of messages (see the module doc), each message
+    as its :class:`~worker.tries.Receive` read it."""
 
     def __init__(self, s3: Any, settings: WorkerSettings) -> None:
         self.s3, self.settings = s3, settings
 
-    def _ref(self, message: dict[str, Any]) -> Ref | None:
-        """The message's first job, shard or merge; None if it names none with a folder."""
-        try:
-            entries = parse_message(
-                message["Body"],
-                bucket=self.settings.bucket,
-                input_prefix=self.settings.input_prefix,
-            )
-        except UnreadableMessage:
-            return None
-        refs: list[Ref] = [e for e in entries if not isinstance(e, Ignored)]
-        if not refs or (isinstance(refs[0], JobRef) and not refs[0].etag):
-            return None
-        return refs[0]
-
-    def folder(self, message: dict[str, Any]) -> JobFolder | None:
+    def folder(self, receive: Receive) -> JobFolder | None:
         """The folder of the message's first job, where its records go; None if it names none."""
-        ref = self._ref(message)
+        ref = _ref(receive)
         if ref is None:
             return None
         return job_folder(self.settings, ref.bucket, ref.key, ref.etag or "")
 
-    def _key(self, message: dict[str, Any]) -> str | None:
-        folder = self.folder(message)
-        if folder is None or not message.get("MessageId"):
+    def _key(self, receive: Receive) -> str | None:
+        folder = self.folder(receive)
+        if folder is None or not receive.message_id:
             return None
-        return f"{folder.base}uncounted/{message['MessageId']}.{Receive.of(message).raw}"
+        return f"{folder.base}uncounted/{receive.message_id}.{receive.raw}"
 
-    async def record(self, message: dict[str, Any], why: str) -> None:
-        """This receive of ``message`` met a queue fault and is not a try (S3 errors are logged:
-        the receive then counts, as before)."""
-        if (key := self._key(message)) is None:
+    async def record(self, receive: Receive, why: str) -> None:
+        """This receive met a queue fault and is not a try (S3 errors are logged: the receive
+        then counts, as before)."""
+        if (key := self._key(receive)) is None:
             return
-        receive = Receive.of(message).raw
         try:
-            await put_json(self.s3, self.settings.bucket, key, {"receive": receive, "why": why})
-            if await self._ended(message):  # its end may have deleted the folder already
+            record = {"receive": receive.raw, "why": why}
+            await put_json(self.s3, self.settings.bucket, key, record)
+            if await self._ended(receive):  # its end may have deleted the folder already
                 await delete_quietly(self.s3, self.settings.bucket, key)
         except Exception as exc:
             log.warning("receive.uncounted_unrecorded", why=why, error=describe(exc))
             return
-        log.warning("receive.uncounted", why=why, receive=receive)
+        log.warning("receive.uncounted", why=why, receive=receive.raw)
 
-    async def _ended(self, message: dict[str, Any]) -> bool:
+    async def _ended(self, receive: Receive) -> bool:
         """Whether the message's job has its summary (its end deletes the folder: a record
         written after that would be left behind; one written before goes with the folder)."""
-        ref = self._ref(message)
+        ref = _ref(receive)
         if ref is None or not ref.etag:
             return False
         summary = output_keys(self.settings, ref.key, ref.etag).summary
         return await exists(self.s3, self.settings.bucket, summary)
 
-    async def forget(self, message: dict[str, Any]) -> None:
+    async def forget(self, receive: Receive) -> None:
         """This receive is a try after all: its lease was lost to the queue, but its work then
         failed on its own (else a poison input whose every receive lost its lease would never
         spend a try: the campaign's sealed job, on a loaded machine)."""
-        if (key := self._key(message)) is not None:
+        if (key := self._key(receive)) is not None:
             await delete_quietly(self.s3, self.settings.bucket, key)
 
-    async def clear(self, message: dict[str, Any]) -> None:
+    async def clear(self, receive: Receive, lease_lost: bool = False) -> None:
         """After a job message's last answer: its job's records, unless the job was split (its
-        shards may still need theirs, and its end deletes the folder)."""
-        ref = self._ref(message)
+        shards may still need theirs, and its end deletes the folder). Only a receive that may
+        have left some looks: its lease lost to the queue, or not its message's first."""
+        if not lease_lost and receive.raw <= 1 and receive.count <= receive.raw:
+            return
+        ref = _ref(receive)
         if not isinstance(ref, JobRef):
             return  # no folder, or a shard or merge message: the job's end deletes them
         folder = job_folder(self.settings, ref.bucket, ref.key, ref.etag or "")
@@ -114,14 +111,13 @@ class Uncounted:
         except Exception as exc:
             log.warning("receive.uncounted_left", error=describe(exc))
 
-    async def receive(self, message: dict[str, Any], tries: Tries) -> Receive:
+    async def counted(self, receive: Receive, tries: Tries) -> Receive:
         """This receive as the tries count it: SQS's count less its message's uncounted receives,
         listed only when the count reaches the tries."""
-        receive = Receive.of(message)
-        folder = self.folder(message)
-        if not tries.last(receive.count) or folder is None or not message.get("MessageId"):
+        folder = self.folder(receive)
+        if not tries.last(receive.count) or folder is None or not receive.message_id:
             return receive
-        prefix = f"{folder.base}uncounted/{message['MessageId']}."
+        prefix = f"{folder.base}uncounted/{receive.message_id}."
         found = 0
         paginator = self.s3.get_paginator("list_objects_v2")
         async for page in paginator.paginate(Bucket=self.settings.bucket, Prefix=prefix):

@@ -31,6 +31,7 @@ from worker.events import JobRef
 from worker.fanout import merge, split
 from worker.fanout.keys import JobFolder
 from worker.fanout.outcome import ShardOutcome
+from worker.fanout.plan import Manifest
 from worker.jobs import Located, locate
 from worker.outputs import OutputKeys
 from worker.settings import WorkerSettings
@@ -48,8 +49,8 @@ async def _split(s3: Any, settings: WorkerSettings, ref: JobRef, run: int) -> fl
     assert isinstance(found, Located)
     folder = JobFolder(f"shards/bench-{run}/")
     started = time.perf_counter()
-    cut = await split.split_input(s3, ref, found, folder, settings, settings.shard_lines)
-    assert cut is not None
+    cut = await split.split_input(s3, found, folder, settings, settings.shard_lines)
+    assert isinstance(cut, Manifest)
     return time.perf_counter() - started
 
 

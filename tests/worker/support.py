@@ -7,6 +7,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from worker.context import WorkerContext
 from worker.metrics import WorkerMetrics
 from worker.queue import Consumer, describe_queue
 from worker.settings import WorkerSettings
@@ -34,4 +35,5 @@ async def make_consumer(
     """A queue consumer over ``engine`` and the registry its metrics go to."""
     registry = CollectorRegistry()
     queue = await describe_queue(sqs, settings)
-    return Consumer(settings, s3, sqs, engine, queue, WorkerMetrics(registry), **kw), registry
+    ctx = WorkerContext(settings, s3, sqs, engine, queue, metrics=WorkerMetrics(registry))
+    return Consumer(ctx, **kw), registry

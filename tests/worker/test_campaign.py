@@ -1,4 +1,4 @@
-"""The seeded fault campaign (tests/worker/campaign.py), a dozen seeds of it: every job of every
+"""The seeded fault campaign (tests/faults/campaign.py), a dozen seeds of it: every job of every
 seed finishes once, line for line, whatever the seed's faults. `make faults` runs more seeds (and
 the black-box run), `make fuzz` thousands; ARBITER_CAMPAIGN_SEEDS=START:STOP picks others here."""
 
@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from tests.worker.campaign import DEADLINE_S, _seeds, describe, run_seeds, totals
-from tests.worker.invariants import redriven_messages
+from tests.faults.campaign import DEADLINE_S, _seeds, describe, run_seeds, totals
+from tests.faults.invariants import redriven_messages
 
 SEEDS = os.environ.get("ARBITER_CAMPAIGN_SEEDS", "0:12")
 

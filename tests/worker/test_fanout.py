@@ -134,8 +134,8 @@ async def test_shard_boundaries_are_a_function_of_the_input(endpoint: str) -> No
         splits = []
         for base in ("shards/a/", "shards/b/"):
             folder = JobFolder(base)
-            manifest = await split_input(s3, ref, found, folder, settings, 8)
-            assert manifest is not None
+            manifest = await split_input(s3, found, folder, settings, 8)
+            assert isinstance(manifest, Manifest)
             inputs = [
                 await read_object(s3, "jobs", folder.input(manifest.plan, s.index))
                 for s in manifest.shards

@@ -14,8 +14,7 @@ from structlog.testing import capture_logs
 from tests.aws import aws_clients, list_keys, read_object, receive_all
 from tests.fakes import FakeEngine
 from tests.faults.proxy import Call
-from tests.worker.fanout_support import make_consumer, pending, stripped
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     Rule,
     drop,
     fault_settings,
@@ -24,7 +23,9 @@ from tests.worker.scenarios import (
     run_fleet,
     versioned_stack,
 )
+from tests.worker.fanout_support import make_consumer, pending, stripped
 from tests.worker.support import sample
+from worker.context import QueueInfo, WorkerContext
 from worker.events import JobRef, parse_message
 from worker.fanout import FanOut, status
 from worker.fanout.deadletters import RecordsInFlight, records_key
@@ -106,7 +107,14 @@ async def test_a_status_that_is_gone_is_rebuilt_from_the_outcomes(endpoint: str)
         stack = await versioned_stack(s3, sqs, settings)
         job = await drop(s3, settings, "incoming/gone.jsonl", numbered_body(12))
         fanout = FanOut(
-            settings, s3, sqs, FakeEngine(), stack["queue_url"], Tries(5), stack["dlq_url"]
+            WorkerContext(
+                settings,
+                s3,
+                sqs,
+                FakeEngine(),
+                QueueInfo(stack["queue_url"], None, stack["dlq_url"]),
+                Tries(5),
+            )
         )
         ref = JobRef("jobs", job.key)
         await fanout.run(ref)  # the split: the status, three shard messages

@@ -1,5 +1,5 @@
 """Each way issue 19 found to leave a job unfinished, or its summary untrue, as a test: a fleet of
-consumers behind the fault proxy meets the fault, and every invariant of tests/worker/invariants.py
+consumers behind the fault proxy meets the fault, and every invariant of tests/faults/invariants.py
 holds after (every line once and in order, the single path's records, a true summary, a finished
 status, nothing left behind, an empty DLQ unless a shard truly ran out of tries)."""
 
@@ -15,37 +15,38 @@ import pytest
 
 from tests.aws import aws_clients, list_keys, read_object, receive_all
 from tests.fakes import FakeEngine, decision_line
+from tests.faults.fleet import Fleet
+from tests.faults.invariants import violations
 from tests.faults.proxy import Call
-from tests.worker.fanout_support import sample
-from tests.worker.fleet import Fleet
-from tests.worker.invariants import violations
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     OncePerKey,
     PoisonEngine,
     Rule,
     rules,
 )
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     drop as _drop,
 )
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     fault_settings as _settings,
 )
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     finished as _finished,
 )
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     holding as _held,
 )
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     numbered_body as _body,
 )
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     run_fleet as _run,
 )
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     versioned_stack as _stack,
 )
+from tests.worker.fanout_support import sample
+from worker.context import QueueInfo, WorkerContext
 from worker.events import parse_message
 from worker.outputs import output_keys
 from worker.submit import submit
@@ -252,7 +253,14 @@ async def test_8_a_shard_scored_and_failed_at_once_has_one_outcome_and_a_true_su
         stack = await _stack(s3, sqs, settings)
         job = await _drop(s3, settings, "incoming/both.jsonl", _body(12))
         fanout = FanOut(
-            settings, s3, sqs, FakeEngine(), stack["queue_url"], Tries(2), stack["dlq_url"]
+            WorkerContext(
+                settings,
+                s3,
+                sqs,
+                FakeEngine(),
+                QueueInfo(stack["queue_url"], None, stack["dlq_url"]),
+                Tries(2),
+            )
         )
         await fanout.run(
             parse_message(
@@ -294,14 +302,21 @@ async def test_a_shard_failed_as_its_job_ends_sends_no_dlq_record(
     from worker.fanout.keys import job_folder
     from worker.fanout.messages import shard_body
     from worker.fanout.plan import read_manifest
-    from worker.fanout.runner import Delivery
+    from worker.tries import Receive
 
     settings = _settings(endpoint)
     async with aws_clients(endpoint) as (s3, sqs):
         stack = await _stack(s3, sqs, settings)
         job = await _drop(s3, settings, "incoming/late.jsonl", _body(12))
         fanout = FanOut(
-            settings, s3, sqs, FakeEngine(), stack["queue_url"], Tries(2), stack["dlq_url"]
+            WorkerContext(
+                settings,
+                s3,
+                sqs,
+                FakeEngine(),
+                QueueInfo(stack["queue_url"], None, stack["dlq_url"]),
+                Tries(2),
+            )
         )
         ref = parse_message(
             json.dumps({"bucket": "jobs", "key": job.key}), bucket="jobs", input_prefix="incoming/"
@@ -330,7 +345,9 @@ async def test_a_shard_failed_as_its_job_ends_sends_no_dlq_record(
 
         monkeypatch.setattr(outcome, "put_new", the_race)
         shard0 = parse_message(shard_body(manifest, 0), bucket="jobs", input_prefix="incoming/")[0]
-        await fanout.run(shard0, Delivery("late", 4))  # 2 past the 2 tries: fails the shard
+        await fanout.run(
+            shard0, Receive(4, message_id="late")
+        )  # 2 past the 2 tries: fails the shard
         dead = await receive_all(sqs, stack["dlq_url"], wait=0)
         # The split's shard messages were never taken by a worker here: the job ended without them.
         await sqs.purge_queue(QueueUrl=stack["queue_url"])

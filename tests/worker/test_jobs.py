@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections import Counter
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from arbiter.engine import Engine
 from tests.aws import aws_clients, list_keys, queue_counts, read_object, receive_all
 from tests.fakes import FakeEngine, decision_line
+from tests.faults.fleet import Fleet
+from tests.faults.proxy import Call
+from tests.worker.fanout_support import fanout_settings, job_body, job_lines, pending
 from tests.worker.support import settings_for
+from worker.context import WorkerContext
 from worker.events import JobRef
 from worker.jobs import run_job
 from worker.metrics import WorkerMetrics
@@ -69,7 +75,8 @@ async def test_job_with_good_and_bad_lines_keeps_count_and_order(
         assert any("s3:TestEvent" in m["Body"] for m in messages)
         queue = await describe_queue(sqs, settings)
         assert queue.max_receive_count == settings.max_receive_count + 3 and queue.dlq_url
-        consumer = Consumer(settings, s3, sqs, counting, queue, WorkerMetrics(CollectorRegistry()))
+        metrics = WorkerMetrics(CollectorRegistry())
+        consumer = Consumer(WorkerContext(settings, s3, sqs, counting, queue, metrics=metrics))
         for message in messages:
             await consumer.handle(message)
 
@@ -136,7 +143,8 @@ async def test_redelivered_message_is_acknowledged_without_recomputing(
         messages = await _until_notified(sqs, stack["queue_url"])
         queue = await describe_queue(sqs, settings)
         registry = CollectorRegistry()
-        consumer = Consumer(settings, s3, sqs, counting, queue, WorkerMetrics(registry))
+        metrics = WorkerMetrics(registry)
+        consumer = Consumer(WorkerContext(settings, s3, sqs, counting, queue, metrics=metrics))
         for message in messages:
             await consumer.handle(message)
         [message] = [m for m in messages if "Records" in m["Body"]]
@@ -209,3 +217,37 @@ async def test_a_lone_surrogate_line_is_one_error_line_with_the_real_engine(
     # The schema's layer answers (the engine's own is tested in tests/arbiter/test_engine_faults.py):
     # with either layer removed, one of the two tests fails.
     assert out[1]["error"]["code"] == "invalid_field" and out[1]["error"]["param"] == "state"
+
+
+@pytest.mark.parametrize(
+    ("suffix", "shard_lines"), [(".jsonl", 30), (".jsonl.gz", 30), (".json", 30), (".jsonl", 0)]
+)
+async def test_a_job_under_the_shard_size_costs_one_head_and_one_get_of_its_input(
+    endpoint: str, suffix: str, shard_lines: int
+) -> None:
+    """Counted on the way to the S3 server (the fault proxy, forwarding every request): a job
+    that fits one shard is located once and read once, whether it was read to be cut (a gzip
+    input, whose size says nothing, is counted first) or never cut (``shard_lines=0``)."""
+    settings = fanout_settings(endpoint, shard_lines=shard_lines)
+    key = f"incoming/once{suffix}"
+    requests: Counter[str] = Counter()
+
+    def count(call: Call) -> str:
+        if call.service == "s3" and call.key == key:
+            requests[call.op] += 1
+        return "forward"
+
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await ensure_stack(s3, sqs, settings)
+        put = await s3.put_object(Bucket="jobs", Key=key, Body=job_body(job_lines(20), suffix))
+        keys = output_keys(settings, key, put["ETag"].strip('"'))
+
+        async def done() -> bool:
+            found = await list_keys(s3, "jobs", keys.summary)
+            return keys.summary in found and not await pending(sqs, stack["queue_url"])
+
+        async with Fleet(endpoint, settings, count, workers=1) as fleet:
+            await fleet.run_until(done, 45)
+        summary = json.loads(await read_object(s3, "jobs", keys.summary))
+    assert "shards" not in summary and summary["lines"] == (23 if suffix == ".json" else 24)
+    assert dict(requests) == {"HeadObject": 1, "GetObject": 1}

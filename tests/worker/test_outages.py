@@ -17,10 +17,9 @@ from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from tests.aws import aws_clients, list_keys, read_object, receive_all, wait_for
+from tests.faults.fleet import Fleet
 from tests.faults.proxy import Call
-from tests.worker.fanout_support import sample
-from tests.worker.fleet import Fleet
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     Rule,
     drop,
     fault_settings,
@@ -30,6 +29,7 @@ from tests.worker.scenarios import (
     run_fleet,
     versioned_stack,
 )
+from tests.worker.fanout_support import sample
 from worker.breaker import CircuitBreaker
 from worker.fanout.deadletters import RecordsInFlight
 from worker.fanout.status import Contended
@@ -97,7 +97,7 @@ async def test_the_breaker_opens_once_probes_with_doubling_delays_and_closes_onc
         if answer is not None:
             raise answer
 
-    breaker = CircuitBreaker("store", metrics, probe, base_s=0.05, max_s=1.0, probe_first=True)
+    breaker = CircuitBreaker("store", metrics, probe, base_s=0.05, max_s=1.0)
     stop = asyncio.Event()
     with capture_logs() as logs:
         assert await breaker.wait(stop)  # a fresh worker probes before its first receive

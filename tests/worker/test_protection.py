@@ -18,7 +18,7 @@ from tests.fakes import decision_line
 from tests.worker import test_pool
 from tests.worker.test_pool import WORK, stack_settings, worker_env
 from worker.metrics import WorkerMetrics
-from worker.protection import PATH, TaskProtection
+from worker.protection import PATH, Bounds, TaskProtection
 from worker.stack import ensure_stack
 
 
@@ -73,7 +73,8 @@ spawn = test_pool.spawn  # its fixture: the processes a test starts are killed a
 def protection(
     agent: FakeAgent, minutes: int = 60, idle_s: float = 30, **bounds: float
 ) -> TaskProtection:
-    return TaskProtection(agent.uri, minutes, idle_s, WorkerMetrics(CollectorRegistry()), **bounds)
+    metrics = WorkerMetrics(CollectorRegistry())
+    return TaskProtection(agent.uri, metrics, Bounds(minutes, idle_s, **bounds))
 
 
 async def test_busy_protects_once_renews_at_half_and_idle_clears_after_the_grace(agent):
@@ -134,7 +135,7 @@ async def test_a_refused_or_failed_call_is_counted_and_asked_again_later(agent):
     assert agent.enabled() == [True, True, True] and guard.protected_until is not None
     assert guard.metrics.task_protected._value.get() == 1
 
-    gone = TaskProtection("http://127.0.0.1:9", 60, 30, WorkerMetrics(CollectorRegistry()))
+    gone = TaskProtection("http://127.0.0.1:9", WorkerMetrics(CollectorRegistry()), Bounds(60, 30))
     await gone.update(True, now=0)  # no agent listening: logged and counted, never raised
     assert gone.metrics.task_protection_errors._value.get() == 1
 

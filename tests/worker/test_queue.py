@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 from typing import Any
 
-from tests.aws import aws_clients, list_keys, queue_counts, receive_all, wait_for
+import pytest
+
+from tests.aws import aws_clients, list_keys, queue_counts, receive_all, s3_notification, wait_for
 from tests.fakes import FakeEngine, decision_line
 from tests.worker.support import make_consumer, sample, settings_for
+from worker import events
 from worker.stack import ensure_stack
 
 
@@ -152,3 +156,38 @@ async def test_a_cancelled_worker_leaves_no_long_poll_behind(endpoint: str) -> N
             if not t.done() and getattr(t.get_coro(), "__name__", "") == "_receive"
         ]
         assert polls == []
+
+
+async def test_a_received_message_is_parsed_once(
+    endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job message's second receive, its last try: the tries look for its uncounted receives,
+    the handler runs its job, and its records are cleared after; each reads the one Receive the
+    message was read as, so its body is parsed once (every worker module's parse is counted)."""
+    settings = settings_for(endpoint, max_receive_count=2)
+    real = events.parse_message
+    bodies: list[str] = []
+
+    def counting(body: str, **kw: Any) -> Any:
+        bodies.append(body)
+        return real(body, **kw)
+
+    for module in list(sys.modules.values()):
+        if module.__name__.startswith("worker") and getattr(module, "parse_message", None) is real:
+            monkeypatch.setattr(module, "parse_message", counting)
+    async with aws_clients(endpoint) as (s3, sqs):
+        stack = await ensure_stack(s3, sqs, settings)
+        url = stack["queue_url"]
+        await s3.put_object(
+            Bucket="jobs", Key="incoming/once.jsonl", Body=decision_line(1).encode()
+        )
+        first = await s3_notification(sqs, url)
+        handle = first["ReceiptHandle"]
+        await sqs.change_message_visibility(QueueUrl=url, ReceiptHandle=handle, VisibilityTimeout=0)
+        [message] = [m for m in await receive_all(sqs, url, wait=1) if "Records" in m["Body"]]
+        assert message["Attributes"]["ApproximateReceiveCount"] == "2"
+        consumer, _ = await make_consumer(settings, s3, sqs, FakeEngine())
+        await consumer.handle(message)
+        assert await queue_counts(sqs, url) == (0, 0)
+        assert len(await list_keys(s3, "jobs", "results/")) == 2  # results and summary
+    assert bodies == [message["Body"]]

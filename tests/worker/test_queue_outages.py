@@ -15,9 +15,9 @@ from structlog.testing import capture_logs
 
 from tests.aws import aws_clients, list_keys, read_object, wait_for
 from tests.fakes import FakeEngine, decision_line
+from tests.faults.fleet import Fleet
 from tests.faults.proxy import Call, FaultProxy
-from tests.worker.fleet import Fleet
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     Rule,
     drop,
     fault_settings,
@@ -30,6 +30,7 @@ from tests.worker.test_pool import WORK, Proc, spawn, stack_settings, worker_env
 from worker.outputs import output_keys
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
+from worker.tries import Receive
 from worker.uncounted import Uncounted
 
 __all__ = ["spawn"]  # the process fixture, shared with test_pool
@@ -305,11 +306,14 @@ async def test_a_receive_recorded_after_its_jobs_end_leaves_nothing(endpoint: st
     async with aws_clients(endpoint) as (s3, sqs):
         await versioned_stack(s3, sqs, settings)
         uncounted = Uncounted(s3, settings)
-        await uncounted.record(message, "a lease lost as the job ended")
+        prefix = settings.input_prefix
+        read = Receive.read(message, bucket="jobs", input_prefix=prefix)
+        await uncounted.record(read, "a lease lost as the job ended")
         before = await list_keys(s3, "jobs", settings.shard_prefix)
         summary = output_keys(settings, "incoming/e.jsonl", "e1").summary
         await s3.put_object(Bucket="jobs", Key=summary, Body=b"{}")
-        await uncounted.record({**message, "MessageId": "m-2"}, "a lease lost after the end")
+        later = Receive.read({**message, "MessageId": "m-2"}, bucket="jobs", input_prefix=prefix)
+        await uncounted.record(later, "a lease lost after the end")
         after = await list_keys(s3, "jobs", settings.shard_prefix)
     assert len(before) == 1 and before[0].endswith("/uncounted/m-1.1")
     assert after == before  # the second, written after the end, is gone

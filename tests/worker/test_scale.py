@@ -150,8 +150,8 @@ async def test_the_split_uploads_several_shard_inputs_at_once(
         found = await locate(s3, ref, settings)
         assert isinstance(found, Located)
         folder = JobFolder("shards/wide/")
-        cut = await split.split_input(s3, ref, found, folder, settings, 4)
-        assert cut is not None
+        cut = await split.split_input(s3, found, folder, settings, 4)
+        assert isinstance(cut, Manifest)
         inputs = [
             await s3.head_object(Bucket="jobs", Key=folder.input(cut.plan, s.index))
             for s in cut.shards

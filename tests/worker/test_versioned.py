@@ -13,10 +13,10 @@ from urllib.parse import unquote_plus
 
 from tests.aws import aws_clients, read_object, s3_notification
 from tests.fakes import FakeEngine
+from tests.faults.fleet import Fleet
+from tests.faults.invariants import violations
 from tests.faults.proxy import Call
-from tests.worker.fleet import Fleet
-from tests.worker.invariants import violations
-from tests.worker.scenarios import (
+from tests.faults.scenarios import (
     Rule,
     drop,
     fault_settings,

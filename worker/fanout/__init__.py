@@ -14,6 +14,6 @@ and the test that proves it):
   upload's part plan; :mod:`.summary`; :mod:`.status`: progress for ``arbiter submit``.
 """
 
-from worker.fanout.runner import Delivery, FanOut
+from worker.fanout.runner import FanOut
 
-__all__ = ["Delivery", "FanOut"]
+__all__ = ["FanOut"]

@@ -1,5 +1,9 @@
 """A job message: run a small job whole, split a large one, or repair one split before.
 
+The job is located once (:func:`worker.jobs.locate`) and its input read once: the split reads it to
+cut it, and a job it finds within one shard runs whole from what the split read
+(:class:`~worker.fanout.split.Whole`); with splitting off, the job runs whole from S3.
+
 Every receive of a job message ends the same way, whatever happened before it: the job's summary
 exists (its end is made sure of, :meth:`~worker.fanout.merge.Merger.finalize`), or its manifest does
 and every shard without an outcome has been sent a message (one merge message instead when none is
@@ -15,11 +19,9 @@ receives that find their shard done, and at most one wave of duplicate scoring.
 
 from __future__ import annotations
 
-from typing import Any
-
 import structlog
 
-from arbiter.scorer import Scorer
+from worker.context import WorkerContext
 from worker.events import JobRef
 from worker.fanout import status
 from worker.fanout.keys import JobFolder, job_folder
@@ -27,8 +29,16 @@ from worker.fanout.merge import Merger
 from worker.fanout.messages import send_merge, send_shards
 from worker.fanout.outcome import finished
 from worker.fanout.plan import Manifest, read_manifest, write_manifest
-from worker.fanout.split import split_input
-from worker.jobs import JobReport, Located, Offload, OutOfTries, locate, run_job
+from worker.fanout.split import Whole, split_input
+from worker.jobs import (
+    JobReport,
+    Located,
+    OutOfTries,
+    Source,
+    locate,
+    run_located,
+    s3_items,
+)
 from worker.s3io import delete_prefix, exists
 from worker.settings import WorkerSettings
 
@@ -48,21 +58,11 @@ def shard_lines_for(found: Located, settings: WorkerSettings) -> int:
 class Splitter:
     """Handles job messages for one worker (see the module doc)."""
 
-    def __init__(
-        self,
-        settings: WorkerSettings,
-        s3: Any,
-        sqs: Any,
-        engine: Scorer,
-        queue_url: str,
-        merger: Merger,
-        metrics: Any = None,
-        run: Offload | None = None,
-    ) -> None:
-        self.settings, self.s3, self.sqs, self.engine = settings, s3, sqs, engine
-        self.bucket = settings.bucket
-        self.queue_url, self.merger = queue_url, merger
-        self.metrics, self.run_engine = metrics, run
+    def __init__(self, ctx: WorkerContext, merger: Merger) -> None:
+        self.settings, self.s3, self.sqs, self.engine = ctx.settings, ctx.s3, ctx.sqs, ctx.engine
+        self.bucket = ctx.settings.bucket
+        self.queue_url, self.merger = ctx.queue.url, merger
+        self.metrics, self.run_engine = ctx.metrics, ctx.run
 
     async def run(self, ref: JobRef, out_of_tries: bool = False) -> JobReport:
         """Handle a job message; ``out_of_tries``: its last try died, so only a repair (the job
@@ -80,13 +80,14 @@ class Splitter:
             raise OutOfTries(f"s3://{ref.bucket}/{ref.key}: {LAST_TRY}")
         if manifest is None:
             shard_lines = shard_lines_for(found, self.settings)
-            cut = None
-            if shard_lines > 0:
-                cut = await split_input(self.s3, ref, found, folder, self.settings, shard_lines)
-            if cut is None:
-                return await run_job(
-                    self.s3, self.engine, ref, self.settings, self.metrics, self.run_engine
-                )
+            if shard_lines <= 0:  # never split: read once, from S3
+                return await self._whole(found, s3_items(self.s3, found, self.settings))
+            cut = await split_input(self.s3, found, folder, self.settings, shard_lines)
+            if isinstance(cut, Whole):
+                try:
+                    return await self._whole(found, cut.items)
+                finally:
+                    cut.close()
             manifest, mine = await write_manifest(self.s3, self.bucket, folder, cut)
             if manifest.plan != cut.plan:  # another plan counts: this one's inputs are not needed
                 await delete_prefix(self.s3, self.bucket, folder.plan_prefix(cut.plan))
@@ -105,6 +106,11 @@ class Splitter:
         )
         summary = {"lines": manifest.items, "shards": manifest.count, "sent": sent}
         return JobReport(outcome, ref, found.keys, summary, etag=found.etag)
+
+    async def _whole(self, found: Located, source: Source) -> JobReport:
+        return await run_located(
+            self.s3, self.engine, found, source, self.settings, self.metrics, self.run_engine
+        )
 
     async def _send(
         self, ref: JobRef, found: Located, folder: JobFolder, manifest: Manifest

@@ -15,12 +15,10 @@ Its retries are its own message's; a merge that fails never spends a shard's tri
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Any
 
 import structlog
 
-from arbiter.scorer import Scorer
+from worker.context import WorkerContext
 from worker.events import JobRef, MergeRef, ShardRef
 from worker.fanout import status
 from worker.fanout.job import LAST_TRY, Splitter
@@ -31,62 +29,40 @@ from worker.fanout.outcome import ShardOutcome, finished, publish, read_outcome
 from worker.fanout.plan import Manifest, ManifestCache, ShardSpan, read_manifest
 from worker.fanout.shard import ShardWork
 from worker.faults import classify, describe
-from worker.jobs import JobRejected, JobReport, LastTryMayRun, Offload
+from worker.jobs import JobRejected, JobReport, LastTryMayRun
 from worker.outputs import OutputKeys, output_keys
 from worker.s3io import exists
-from worker.settings import WorkerSettings
-from worker.tries import Tries
+from worker.tries import Receive
 
 log = structlog.get_logger("arbiter.worker")
 
 
-@dataclass(frozen=True)
-class Delivery:
-    """The SQS message a reference came in: its id (stable across redeliveries), this receive's
-    number among its tries, and why the tries ended if they did."""
-
-    message_id: str | None = None
-    receive_count: int = 1
-    reason: str | None = None
-
-
 class FanOut:
-    """Runs job, shard and merge references for one worker (see the module doc). ``tries``: the
-    worker's tries on its queue (:mod:`worker.tries`); None, no limit."""
+    """Runs job, shard and merge references for one worker (see the module doc)."""
 
-    def __init__(
-        self,
-        settings: WorkerSettings,
-        s3: Any,
-        sqs: Any,
-        engine: Scorer,
-        queue_url: str,
-        tries: Tries | None = None,
-        dlq_url: str | None = None,
-        metrics: Any = None,
-        run: Offload | None = None,
-    ) -> None:
-        self.settings = settings
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.settings = settings = ctx.settings
         self.bucket = settings.bucket
-        self.s3, self.sqs = s3, sqs
-        self.queue_url, self.tries, self.dlq_url = queue_url, tries, dlq_url
-        self.metrics = metrics
+        self.s3, self.sqs = ctx.s3, ctx.sqs
+        self.queue_url, self.tries, self.dlq_url = ctx.queue.url, ctx.tries, ctx.queue.dlq_url
+        self.metrics = ctx.metrics
         self.manifests = ManifestCache()
-        self.merger = Merger(s3, settings, metrics, sqs, dlq_url)
-        self.work = ShardWork(settings, s3, engine, metrics, run)
-        self.splitter = Splitter(settings, s3, sqs, engine, queue_url, self.merger, metrics, run)
+        self.merger = Merger(ctx.s3, settings, ctx.metrics, ctx.sqs, ctx.queue.dlq_url)
+        self.work = ShardWork(settings, ctx.s3, ctx.engine, ctx.metrics, ctx.run)
+        self.splitter = Splitter(ctx, self.merger)
 
     async def run(
-        self, ref: JobRef | ShardRef | MergeRef, delivery: Delivery | None = None
+        self, ref: JobRef | ShardRef | MergeRef, receive: Receive | None = None
     ) -> JobReport:
-        delivery = delivery or Delivery()
+        """Run ``ref`` as this ``receive`` of its message (None: a first receive)."""
+        receive = receive or Receive(1)
         if isinstance(ref, ShardRef):
             with structlog.contextvars.bound_contextvars(shard=ref.index, shards=ref.count):
-                return await self.shard(ref, delivery)
+                return await self.shard(ref, receive)
         if isinstance(ref, MergeRef):
             with structlog.contextvars.bound_contextvars(merge=True):
                 return await self.merge(ref)
-        out_of_tries = self.tries is not None and self.tries.past(delivery.receive_count)
+        out_of_tries = self.tries is not None and self.tries.past(receive.count)
         return await self.splitter.run(ref, out_of_tries)
 
     def _where(self, ref: ShardRef | MergeRef) -> tuple[JobRef, JobFolder, OutputKeys]:
@@ -110,7 +86,7 @@ class FanOut:
 
     # -- shards ------------------------------------------------------------------------------------
 
-    async def shard(self, ref: ShardRef, delivery: Delivery) -> JobReport:
+    async def shard(self, ref: ShardRef, receive: Receive) -> JobReport:
         job, folder, keys = self._where(ref)
         manifest = await self._manifest(ref, folder)
         if manifest is None or ref.index >= manifest.count:
@@ -123,7 +99,7 @@ class FanOut:
             self._count("duplicate")
             return JobReport("shard", job, keys)
         else:
-            settled = await self._settle(folder, keys, manifest, span, delivery)
+            settled = await self._settle(folder, keys, manifest, span, receive)
             if settled is None:  # the job ended while this shard was scored or failed
                 await self.merger.finalize(keys, folder)
                 self._count("duplicate")
@@ -165,7 +141,7 @@ class FanOut:
         keys: OutputKeys,
         manifest: Manifest,
         span: ShardSpan,
-        delivery: Delivery,
+        receive: Receive,
     ) -> ShardOutcome | None:
         """Score or fail the shard and publish its outcome; the outcome that counts, or None if the
         job ended while the shard was scored or failed (nothing of this attempt is kept then)."""
@@ -173,17 +149,17 @@ class FanOut:
         async def wanted() -> bool:
             return not await exists(self.s3, self.bucket, keys.summary)
 
-        count = delivery.receive_count
+        count = receive.count
         last = self.tries is not None and self.tries.last(count)
         if self.tries is not None and self.tries.past(count):
-            if delivery.reason is None and self.tries.first_past(count):
+            if receive.reason is None and self.tries.first_past(count):
                 # Past the tries is not proof that the last one died: SQS may have shown the
                 # message again (a second delivery, or a slow holder's lapsed visibility) while it
                 # still runs. The next receive, if the last try does not finish, fails it (fuzz
                 # seed 2048: a second delivery failed a shard whose last try was scoring it).
                 raise LastTryMayRun(f"shard {span.index}: its last try may still be running")
             outcome = await self.work.fail(
-                folder, manifest, span, delivery.reason or LAST_TRY, count
+                folder, manifest, span, receive.reason or LAST_TRY, count
             )
         else:
             try:

@@ -1,5 +1,8 @@
 """Cutting a large job into shard inputs, reading the input once.
 
+A job within ``shard_lines`` items is not cut: the items the split read are handed back framed in
+a spool (:class:`Whole`), and the job runs whole from it, without reading its input again.
+
 A job with more than ``shard_lines`` items is cut into contiguous ranges: every ``shard_lines``
 items, moved on by up to a quarter of that while the next item has the same state as the last (so
 its prefill is not paid twice). The cut depends on the input and the plan's settings alone
@@ -11,9 +14,10 @@ at once while the next is read: one at a time, each PUT's round trip was the spl
 A job that would need more than :data:`~worker.fanout.plan.MAX_SHARDS` shards is refused with a clear
 error instead of a last shard that takes every remaining line, and **before the split**: unless its
 size alone shows that it fits (:func:`fits_unread`), the input is first read once without writing
-anything, cut as the split would cut it (:func:`count_shards`), and refused as soon as it needs one
-shard too many, not when the split reaches the limit after reading and uploading up to 10,000
-shard inputs (then deleted).
+any shard input, cut as the split would cut it (:func:`precount`), and refused as soon as it needs
+one shard too many, so that no shard input is uploaded for a job that is then refused. That read
+keeps its first shard in a spool: a job it finds within one shard runs whole from it, and only a
+job of several shards is read a second time, to be split.
 """
 
 from __future__ import annotations
@@ -24,16 +28,17 @@ import json
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import IO, Any
 
 from arbiter.errors import ArbiterError
-from worker.events import JobRef
-from worker.fanout.frames import frame
+from arbiter.lines import Item
+from worker.fanout.frames import frame, unframe
 from worker.fanout.keys import JobFolder
 from worker.fanout.plan import MAX_SHARDS, STRIPES, Manifest, ShardSpan, plan_id
-from worker.formats import item_kind, raw_items_for
+from worker.formats import PIECE, decode_items, item_kind, raw_items_for
 from worker.jobs import JobRejected, Located, open_input, raw_chunks
 from worker.s3io import delete_prefix, upload_spool
 from worker.settings import WorkerSettings
@@ -92,6 +97,30 @@ class _Shard:
             bytes=self.size,
             gaps=self.gaps,
         )
+
+
+async def _read(spool: IO[bytes]) -> AsyncIterator[bytes]:
+    spool.seek(0)
+    while chunk := spool.read(PIECE):
+        yield chunk
+
+
+@dataclass
+class Whole:
+    """An input within one shard, as the split read it: its items framed in a spool, as a shard
+    input would hold them, so that the job runs whole from it (:func:`worker.jobs.run_located`)
+    without reading its input again. Whoever runs it closes it."""
+
+    spool: IO[bytes]
+    kind: str
+
+    @contextlib.asynccontextmanager
+    async def items(self) -> AsyncIterator[AsyncIterator[Item]]:
+        """The job's items, read back from the spool (a :data:`worker.jobs.Source`)."""
+        yield decode_items(unframe(_read(self.spool)), self.kind)
+
+    def close(self) -> None:
+        self.spool.close()
 
 
 UPLOADS = 4  # shard inputs in flight at once while the next is read (UPLOADS + 1 spools on disk)
@@ -182,42 +211,60 @@ def fits_unread(key: str, size: Any, shard_lines: int) -> bool:
     return size // 2 + 1 <= MAX_SHARDS * shard_lines
 
 
-async def count_shards(
-    s3: Any, ref: JobRef, found: Located, settings: WorkerSettings, shard_lines: int
-) -> int:
-    """Read the input once, writing nothing, and cut it as :func:`split_input` would; the number
-    of shards. Raises :class:`JobRejected` as soon as it needs more than MAX_SHARDS."""
-    response = await open_input(s3, ref, found)
+def _kind(key: str) -> str:
+    return "element" if item_kind(key) == "element" else "line"
+
+
+async def precount(
+    s3: Any, found: Located, settings: WorkerSettings, shard_lines: int
+) -> Whole | None:
+    """Read the input once, uploading nothing, and cut it as :func:`split_input` would: the input
+    :class:`Whole` if it is within one shard (its items kept in a spool as they went by), else
+    None (it is to be split). Raises :class:`JobRejected` as soon as it needs more than
+    MAX_SHARDS."""
+    key = found.ref.key
+    response = await open_input(s3, found)
     cutter = _Cutter(shard_lines, max(1, shard_lines // 4))
+    first = _Shard.open(0, settings.tmp_dir)  # closed as soon as a second shard starts
     shards, items = 1, 0
     previous: bytes | ArbiterError = b""
-    async with response["Body"] as body:
-        async for _, data in raw_items_for(ref.key, raw_chunks(body), settings.max_line_bytes):
-            if cutter.boundary(items, previous, data):
-                if shards == MAX_SHARDS:
-                    raise JobRejected(too_many(shard_lines), found.keys)
-                shards, items = shards + 1, 0
-            items += 1
-            previous = data
-    return shards
+    try:
+        async with response["Body"] as body:
+            async for number, data in raw_items_for(key, raw_chunks(body), settings.max_line_bytes):
+                if cutter.boundary(items, previous, data):
+                    first.spool.close()
+                    if shards == MAX_SHARDS:
+                        raise JobRejected(too_many(shard_lines), found.keys)
+                    shards, items = shards + 1, 0
+                if shards == 1:
+                    first.add(number, data)
+                items += 1
+                previous = data
+    except BaseException:
+        first.spool.close()
+        raise
+    return Whole(first.spool, _kind(key)) if shards == 1 else None
 
 
 async def split_input(
     s3: Any,
-    ref: JobRef,
     found: Located,
     folder: JobFolder,
     settings: WorkerSettings,
     shard_lines: int,
-) -> Manifest | None:
-    """Cut the input into shard inputs under its plan; the manifest (not written yet), or None when
-    the whole input fits in one shard (run it as one job). Raises :class:`JobRejected` if the input
-    is gone or needs more than MAX_SHARDS shards (before any write, see the module doc)."""
-    kind = "element" if item_kind(ref.key) == "element" else "line"
+) -> Manifest | Whole:
+    """Cut the input into shard inputs under its plan; the manifest (not written yet), or the input
+    :class:`Whole` when it fits in one shard (run it as one job, from what was read here). Raises
+    :class:`JobRejected` if the input is gone or needs more than MAX_SHARDS shards (before any
+    shard input is uploaded, see the module doc)."""
+    ref = found.ref
+    kind = _kind(ref.key)
     plan = plan_id(kind, shard_lines, settings.max_line_bytes)
     if not fits_unread(ref.key, found.head.get("ContentLength"), shard_lines):
-        await count_shards(s3, ref, found, settings, shard_lines)  # refused before any write
-    response = await open_input(s3, ref, found)
+        whole = await precount(s3, found, settings, shard_lines)  # refused before any upload
+        if whole is not None:
+            return whole
+    response = await open_input(s3, found)
     cutter = _Cutter(shard_lines, max(1, shard_lines // 4))
     uploader = _Uploader(s3, settings, folder, plan)
     shards: list[_Shard] = []
@@ -236,8 +283,7 @@ async def split_input(
                 current.add(number, data)
                 previous = data
         if not shards:
-            current.spool.close()
-            return None
+            return Whole(current.spool, kind)
         shards.append(current)
         await uploader.send(current)
         await uploader.wait()

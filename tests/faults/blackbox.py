@@ -18,10 +18,10 @@ Four scenarios (``make faults`` runs them all):
   is answered 503 while the probe's LIST (and every other request) works: a partial outage the
   breaker's probe does not see.
 
-    python -m tests.worker.blackbox                       # the faults scenario; figures as JSON
-    python -m tests.worker.blackbox --scenario outage     # the store outage
-    python -m tests.worker.blackbox --scenario sqs-flap   # SQS down 8 s of every 14 s
-    python -m tests.worker.blackbox --scenario partial    # shard inputs' GETs down, LIST up
+    python -m tests.faults.blackbox                       # the faults scenario; figures as JSON
+    python -m tests.faults.blackbox --scenario outage     # the store outage
+    python -m tests.faults.blackbox --scenario sqs-flap   # SQS down 8 s of every 14 s
+    python -m tests.faults.blackbox --scenario partial    # shard inputs' GETs down, LIST up
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from typing import Any
 from tests import ROOT
 from tests.aws import aws_clients, moto_endpoint, receive_all, reset_moto, wait_for
 from tests.fakes import FakeEngine
+from tests.faults.invariants import Job, single_path_records, violations
 from tests.faults.proxy import Call, FaultProxy
 from tests.worker.fanout_support import job_body, job_lines, pending
-from tests.worker.invariants import Job, single_path_records, violations
 from tests.worker.test_pool import Proc, worker_env
 from worker.outputs import output_keys
 from worker.settings import WorkerSettings
@@ -393,7 +393,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.worker.blackbox")
+    parser = argparse.ArgumentParser(prog="python -m tests.faults.blackbox")
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="faults")
     parser.add_argument("--seed", type=int, default=19)
     parser.add_argument("--jobs", type=int, default=3)

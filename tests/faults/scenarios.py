@@ -9,10 +9,10 @@ from typing import Any
 
 from tests.aws import aws_clients, list_keys
 from tests.fakes import FakeEngine, decision_line
+from tests.faults.fleet import Fleet
+from tests.faults.invariants import Job, records_may_repeat, single_path_records, violations
 from tests.faults.proxy import Call
 from tests.worker.fanout_support import fanout_settings, pending
-from tests.worker.fleet import Fleet
-from tests.worker.invariants import Job, records_may_repeat, single_path_records, violations
 from worker.outputs import output_keys
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack

@@ -18,6 +18,7 @@ from tests.awaiting import where_they_wait
 from tests.aws import CREDS
 from tests.fakes import FakeEngine
 from tests.faults.proxy import Call, FaultProxy
+from worker.context import WorkerContext
 from worker.metrics import WorkerMetrics
 from worker.queue import Consumer, open_queue
 from worker.settings import WorkerSettings
@@ -107,7 +108,8 @@ class Fleet:
             with contextlib.suppress(Exception):
                 await worker.stack.aclose()
             raise
-        consumer = Consumer(self.settings, s3, sqs, self.engine(number), queue, metrics)
+        ctx = WorkerContext(self.settings, s3, sqs, self.engine(number), queue, metrics=metrics)
+        consumer = Consumer(ctx)
         consumer.handle = self._tracked(worker, consumer.handle)  # type: ignore[method-assign]
         worker.consumer = consumer
         worker.task = asyncio.create_task(consumer.run())

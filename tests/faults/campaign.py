@@ -6,9 +6,9 @@ receive count one higher, workers killed between any two calls or inside one, a 
 killed, a role without ``s3:ListBucket``, 409 ``ConditionalRequestConflict`` on conditional
 writes, outages of the store or the queue, whole, partial or flapping, with shards that outlive
 their visibility and one try allowed in some, a job whose input the role may not read; real
-backoff and visibility timeouts in some seeds: :mod:`tests.worker.faultplan`; a merge of several
+backoff and visibility timeouts in some seeds: :mod:`tests.faults.plan`; a merge of several
 parts copied inside S3, a job folder of over 1,000 keys in a few); after each, every
-invariant of :mod:`tests.worker.invariants` is checked, and three more: every shard that failed was
+invariant of :mod:`tests.faults.invariants` is checked, and three more: every shard that failed was
 failed by the plan (its every try killed), never by a fault the worker must ride out; a sealed job
 was rejected with its record; and no worker took message after message while the whole store was
 down (the breaker). A fan-out that fails every shard therefore fails the campaign (``make mutate
@@ -20,8 +20,8 @@ worker and that worker's request number); the interleaving of workers is the eve
 moto's, so a failing seed is run again alone (``--seed N``) to replay it, and several times if it
 does not fail at once. Seeds use a bucket and queues of their own, so several run at once.
 
-    python -m tests.worker.campaign --seeds 0:2000 --concurrency 4     # make faults / make fuzz
-    python -m tests.worker.campaign --seed 1234 --verbose              # replay one
+    python -m tests.faults.campaign --seeds 0:2000 --concurrency 4     # make faults / make fuzz
+    python -m tests.faults.campaign --seed 1234 --verbose              # replay one
 """
 
 from __future__ import annotations
@@ -44,16 +44,16 @@ import structlog
 
 from tests.aws import aws_clients
 from tests.fakes import FakeEngine, decision_line
-from tests.worker.fanout_support import pending
-from tests.worker.faultplan import PARTIAL, Plan
-from tests.worker.fleet import Fleet
-from tests.worker.invariants import (
+from tests.faults.fleet import Fleet
+from tests.faults.invariants import (
     Job,
     records_may_repeat,
     redriven_messages,
     single_path_records,
     violations,
 )
+from tests.faults.plan import PARTIAL, Plan
+from tests.worker.fanout_support import pending
 from worker.outputs import output_keys
 from worker.settings import WorkerSettings
 from worker.stack import ensure_stack
@@ -375,7 +375,7 @@ def describe(result: Result) -> str:
     for violation in result.violations:
         text += f"\n  - {violation}"
     if result.violations:
-        text += f"\n  replay: .venv/bin/python -m tests.worker.campaign --seed {result.seed}"
+        text += f"\n  replay: .venv/bin/python -m tests.faults.campaign --seed {result.seed}"
     return text
 
 
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tests.aws import moto_endpoint
 
-    parser = argparse.ArgumentParser(prog="python -m tests.worker.campaign")
+    parser = argparse.ArgumentParser(prog="python -m tests.faults.campaign")
     parser.add_argument(
         "--seeds",
         default="0:200",

@@ -1,4 +1,4 @@
-"""What a campaign seed (tests/worker/campaign.py) does to its fleet's requests: the plan decides
+"""What a campaign seed (tests/faults/campaign.py) does to its fleet's requests: the plan decides
 each request from the seed, the worker and that worker's request number, so it replays exactly.
 
 Besides lost answers, refused requests, faked deletes, duplicated sends, second deliveries, kills
@@ -115,7 +115,7 @@ class Plan:
         outage = Window.pick(r) if r.random() < 0.3 else None
         plan = cls(seed, p, kills, r.random() < 0.25, exhaust, outage)
         if workers > 1 and r.random() < 0.1:
-            # One try, four workers (tests/worker/campaign.py) and SQS flapping faster than the
+            # One try, four workers (tests/faults/campaign.py) and SQS flapping faster than the
             # shards run, so that a free worker receives a message whose lease the outage took
             # while its holder still scores it. A
             # kill, a second delivery or a shard killed on purpose would each fail a shard for
