@@ -680,8 +680,8 @@ MUTATIONS = (
     Mutation(
         "serve-checks-before-listening",
         "adapter/serve.py",
-        "    check_before_listening(engine_settings)  # the chat template renders a decision\n",
-        "",
+        "    check_before_listening(engine_settings)\n    check_files(engine_settings)\n",
+        "    check_files(engine_settings)\n",
         (REFUSALS + "test_serve_refuses_before_it_listens",),
     ),
     Mutation(
@@ -1728,6 +1728,24 @@ MUTATIONS = (
             "tests/emulator/test_limits.py::"
             "test_custom_attributes_over_1024_characters_are_refused_both_ways",
         ),
+    ),
+    Mutation(
+        "ece-bins-a-hair-under-an-edge-with-it",
+        "evaluation/metrics.py",
+        "np.floor(conf * n_bins + EDGE_TOLERANCE)",
+        "np.floor(conf * n_bins)",
+        (
+            "tests/evaluation/test_metrics.py::"
+            "test_a_probability_a_few_ulps_under_an_edge_is_binned_with_the_edge",
+        ),
+    ),
+    Mutation(
+        "entrypoint-names-the-template-before-the-weights",
+        "adapter/entrypoint.py",
+        "        sha256 = verify(resolved) if settings.preflight_sha256 else None",
+        "        require_weights(resolved.path)\n"
+        "        sha256 = verify(resolved) if settings.preflight_sha256 else None",
+        (REFUSALS + "test_the_entrypoint_refuses_in_one_line",),
     ),
 )
 
