@@ -57,7 +57,8 @@ run: $(RUN_STAMP)
 
 TEST_JOBS ?= 2
 test: $(STAMP)
-	$(BIN)/ruff check arbiter adapter worker evaluation bench tests infra gpucheck emulator
+	$(BIN)/ruff check arbiter adapter worker evaluation bench tests infra gpucheck emulator scripts \
+		scripts/decisions-split
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
 

@@ -50,3 +50,21 @@ def test_each_fix_is_in_its_file_once_and_its_tests_exist(mutation: Mutation) ->
 def test_names_are_unique() -> None:
     names = [m.name for m in MUTATIONS]
     assert len(names) == len(set(names))
+
+
+def test_a_mutation_file_with_a_key_the_runner_does_not_know_is_refused(tmp_path: Path) -> None:
+    # A misspelt `tests` would leave a mutation that runs nothing: refused, not ignored.
+    module = sys.modules["mutate"]
+    folder = tmp_path / "tests" / "pkg"
+    folder.mkdir(parents=True)
+    (folder / "mutations.toml").write_text(
+        "[[mutation]]\nname = 'x'\npath = 'a.py'\nfix = 'a'\nwithout = 'b'\ntest = ['t']\n"
+    )
+    with pytest.raises(SystemExit, match="unknown"):
+        module.load(tmp_path)
+
+
+def test_every_package_with_mutations_keeps_them_beside_its_tests() -> None:
+    files = sorted(ROOT.glob("tests/*/mutations.toml"))
+    assert len(files) >= 5
+    assert len(MUTATIONS) >= 180  # the tuple's 186 moved here, none lost
