@@ -5,12 +5,14 @@ stopped by it: a request's decode is not aborted half-way."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from arbiter.engine import open_engine
@@ -72,3 +74,39 @@ def test_a_cancel_after_the_load_stops_nothing(default_gguf: Path) -> None:
         assert isinstance(result, DecisionResult), result
     finally:
         engine.close()
+
+
+def _decode_seconds(gguf: Path, cancel_after_s: float | None) -> float:
+    """One long decode (a single slice of 1,024 tokens) on a context opened with a load's
+    cancel, set ``cancel_after_s`` into it (None: never)."""
+    cancel = threading.Event()
+    settings = _settings(gguf, n_ctx=2048, n_batch=1024)
+    llama = Llama(gguf, settings, cancel=cancel)
+    try:
+        llama.open_context(settings, 2)
+        n = 1024
+        tokens = np.full(n, llama.vocab.tokenize("ok", special=False)[0], dtype=np.int32)
+        want = np.zeros(n, dtype=bool)
+        want[-1] = True
+        timer = None
+        if cancel_after_s is not None:
+            timer = threading.Timer(cancel_after_s, cancel.set)
+            timer.start()
+        started = time.monotonic()
+        with contextlib.suppress(LoadCancelled):
+            llama.decode(tokens, np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.int32), want)
+        took = time.monotonic() - started
+        if timer is not None:
+            timer.cancel()
+        return took
+    finally:
+        llama.close()
+
+
+def test_a_cancel_aborts_a_decode_inside_it_not_after(default_gguf: Path) -> None:
+    """The abort callback stops a decode between its graph's nodes: a cancel a tenth into a
+    long decode ends it well before the decode would have ended (a check after each decode
+    alone would wait for all of it). A ratio of the same run, not a time: machines differ."""
+    whole = _decode_seconds(default_gguf, None)
+    cut = _decode_seconds(default_gguf, whole / 10)
+    assert cut < whole / 2, f"cancelled decode {cut:.2f} s, a whole one {whole:.2f} s"
